@@ -1,0 +1,66 @@
+"""av_jax: Adaptive Verification for speculative decoding in JAX.
+
+The public API, one name per line (see README.md and docs/).
+"""
+
+from av_jax import metrics
+from av_jax.estimator import EstimatorState
+from av_jax.estimator import OnlineEstimator
+from av_jax.estimator import online_estimator
+from av_jax.features import FEATURE_CLIP
+from av_jax.features import FEATURES
+from av_jax.features import Feature
+from av_jax.features import get_feature
+from av_jax.features import logit_qmax
+from av_jax.features import neg_entropy
+from av_jax.features import sampling_log_probs
+from av_jax.features import top2_margin
+from av_jax.planner import POLICIES
+from av_jax.planner import Plan
+from av_jax.planner import Planner
+from av_jax.planner import PlannerState
+from av_jax.planner import exact_policy
+from av_jax.planner import is_exact
+from av_jax.planner import make_planner
+from av_jax.rejection import RejectionResult
+from av_jax.rejection import rejection_sample
+from av_jax.rejection import rejection_sample_ragged
+from av_jax.selection import CostModel
+from av_jax.selection import allocate
+from av_jax.selection import choose_budget
+from av_jax.selection import linear_cost_model
+from av_jax.selection import make_cost_model
+from av_jax.selection import survival
+
+__version__ = "0.1.0"
+
+__all__ = (
+    "CostModel",
+    "EstimatorState",
+    "FEATURES",
+    "FEATURE_CLIP",
+    "Feature",
+    "OnlineEstimator",
+    "POLICIES",
+    "Plan",
+    "Planner",
+    "PlannerState",
+    "RejectionResult",
+    "allocate",
+    "choose_budget",
+    "exact_policy",
+    "get_feature",
+    "is_exact",
+    "linear_cost_model",
+    "logit_qmax",
+    "make_cost_model",
+    "make_planner",
+    "metrics",
+    "neg_entropy",
+    "online_estimator",
+    "rejection_sample",
+    "rejection_sample_ragged",
+    "sampling_log_probs",
+    "survival",
+    "top2_margin",
+)

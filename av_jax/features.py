@@ -1,0 +1,231 @@
+"""Features of the draft distribution that predict target acceptance.
+
+The shipped feature is `logit_qmax`, the log-odds of the draft's top token in the
+distribution the drafter actually sampled from (temperature, then top-p). It reads the
+distribution only, never the drawn token, so pruning on it keeps speculative decoding
+exact (spec section 2, rule 1). The registry `FEATURES` also holds alternatives for the
+studies; the lossy ones read the drawn token and are flagged so the planner refuses them.
+
+Numerics. Every feature is computed in log space from the logits. Features are finite:
+a distribution with a single support token (one-hot, or V = 1) has log-odds +inf, which
+is clipped to `FEATURE_CLIP`; the same clip bounds every other feature. Rows containing
+NaN produce NaN features, which the estimator treats as unlabelled (see `estimator`).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from av_jax import _checks
+
+# Features are clipped to [-FEATURE_CLIP, FEATURE_CLIP]. 30 nats of log-odds is a top
+# probability of 1 - 1e-13: beyond float32 resolution of the probability itself.
+FEATURE_CLIP = 30.0
+
+_NEG_INF = -jnp.inf
+
+
+def _as_scale(value, logits: jax.Array) -> jax.Array:
+  """Broadcasts a per-row scalar option (`temperature`, `top_p`) to `[..., 1]`."""
+  value = jnp.asarray(value, dtype=jnp.float32)
+  if value.ndim > logits.ndim - 1:
+    raise ValueError(
+        f"option has shape {value.shape}; expected a scalar or an array broadcastable "
+        f"to the leading dimensions {logits.shape[:-1]} of logits")
+  return value[..., None]
+
+
+def _top_p_mask(log_probs: jax.Array, top_p: jax.Array) -> jax.Array:
+  """Bool mask of the nucleus: tokens with prob >= the last nucleus token's prob.
+
+  Sorting descending, the nucleus holds the sorted entries whose exclusive cumulative
+  mass is below `top_p` (the top token is always kept). The threshold is applied by
+  value, so ties at the boundary are all kept and the result does not depend on how
+  the sort orders equal entries.
+  """
+  probs = jnp.exp(log_probs)
+  sorted_probs = -jnp.sort(-probs, axis=-1)
+  exclusive = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs
+  keep_sorted = exclusive < top_p
+  keep_sorted = keep_sorted.at[..., 0].set(True)
+  threshold = jnp.min(jnp.where(keep_sorted, sorted_probs, jnp.inf), axis=-1, keepdims=True)
+  return probs >= threshold
+
+
+def _scaled_logits(logits, temperature, top_p) -> jax.Array:
+  """Logits of the sampled distribution up to a per-row constant: `l / T`, top-p masked."""
+  logits = jnp.asarray(logits, dtype=jnp.float32)
+  _checks.rank_at_least("logits", logits, 1)
+  scale = _as_scale(temperature, logits)
+  scaled = logits / jnp.where(scale > 0, scale, 1.0)
+  if isinstance(top_p, (int, float)) and top_p >= 1.0:
+    return scaled
+  keep = _top_p_mask(jax.nn.log_softmax(scaled, axis=-1), _as_scale(top_p, logits))
+  # NaN entries are kept so that a bad row stays visibly bad downstream.
+  return jnp.where(keep | jnp.isnan(scaled), scaled, _NEG_INF)
+
+
+def sampling_log_probs(
+    logits: jax.typing.ArrayLike,
+    *,
+    temperature: jax.typing.ArrayLike = 1.0,
+    top_p: jax.typing.ArrayLike = 1.0,
+) -> jax.Array:
+  """Log-probabilities of the distribution a sampler draws from.
+
+  Applies temperature, then top-p (nucleus) filtering; filtered tokens get -inf.
+  A temperature <= 0 means greedy drafting; the distribution returned is then the
+  temperature-1 softmax, from which features are computed (spec section 2).
+
+  Args:
+    logits: `[..., V]` raw logits. -inf entries are allowed (banned tokens).
+    temperature: scalar or `[...]` per-row temperature.
+    top_p: scalar or `[...]` per-row nucleus mass in (0, 1]; 1 disables filtering.
+
+  Returns:
+    `[..., V]` float32 log-probabilities.
+
+  Example:
+    >>> lp = sampling_log_probs(jnp.array([2.0, 1.0, 0.0]), top_p=0.7)
+  """
+  return jax.nn.log_softmax(_scaled_logits(logits, temperature, top_p), axis=-1)
+
+
+def _clip(feature: jax.Array) -> jax.Array:
+  # NaN stays NaN (a bad row); +-inf become the documented bound.
+  return jnp.clip(feature, -FEATURE_CLIP, FEATURE_CLIP)
+
+
+def logit_qmax(
+    logits: jax.typing.ArrayLike,
+    *,
+    temperature: jax.typing.ArrayLike = 1.0,
+    top_p: jax.typing.ArrayLike = 1.0,
+) -> jax.Array:
+  """Log-odds of the top token of the draft distribution: the shipped AV feature.
+
+  `f = log q_max - log(1 - q_max) = m - logsumexp(l_v, v != argmax)`, with `l` the
+  logits after temperature and top-p and `m = max l`. Lossless: reads q, never the drawn
+  token (spec section 2).
+
+  Numerics: shift invariance gives `f = -log(sum_{v != argmax} exp(l_v - m))`. The sum
+  is taken over entries strictly below `m` plus one for every further entry tied at the
+  maximum, so it is exact for ties and needs no normalisation pass: one max pass and
+  one fused exp-sum pass over the logits (the engine's per-step hot path). A row with a
+  single support token (one-hot, V = 1, a lone +inf) gives +inf, clipped to
+  +FEATURE_CLIP; a row of only -inf logits is read as uniform; NaN logits give NaN.
+
+  Args:
+    logits: `[..., V]` draft logits.
+    temperature: scalar or `[...]`; <= 0 (greedy) uses the temperature-1 softmax.
+    top_p: scalar or `[...]` nucleus mass.
+
+  Returns:
+    `[...]` float32 in `[-FEATURE_CLIP, FEATURE_CLIP]` (or NaN for NaN rows).
+
+  Example:
+    >>> logit_qmax(jnp.log(jnp.array([0.8, 0.2])))  # log(0.8 / 0.2) = 1.386
+  """
+  scaled = _scaled_logits(logits, temperature, top_p)
+  m = jnp.max(scaled, axis=-1, keepdims=True)
+  below = scaled < m
+  rest = jnp.sum(jnp.where(below, jnp.exp(jnp.where(below, scaled - m, 0.0)), 0.0), axis=-1)
+  ties = jnp.sum((scaled == m).astype(jnp.float32), axis=-1) - 1.0
+  return _clip(-jnp.log(rest + ties))
+
+
+def top2_margin(
+    logits: jax.typing.ArrayLike,
+    *,
+    temperature: jax.typing.ArrayLike = 1.0,
+    top_p: jax.typing.ArrayLike = 1.0,
+) -> jax.Array:
+  """`log q_(1) - log q_(2)`: gap between the two most likely draft tokens. Lossless.
+
+  A row with one support token has an infinite margin, clipped to FEATURE_CLIP.
+  """
+  log_probs = sampling_log_probs(logits, temperature=temperature, top_p=top_p)
+  top2 = jax.lax.top_k(log_probs, min(2, log_probs.shape[-1]))[0]
+  if log_probs.shape[-1] < 2:
+    return jnp.full(log_probs.shape[:-1], FEATURE_CLIP, jnp.float32)
+  return _clip(top2[..., 0] - top2[..., 1])
+
+
+def neg_entropy(
+    logits: jax.typing.ArrayLike,
+    *,
+    temperature: jax.typing.ArrayLike = 1.0,
+    top_p: jax.typing.ArrayLike = 1.0,
+) -> jax.Array:
+  """Negative entropy `sum_v q log q` (nats) of the draft distribution. Lossless.
+
+  Negated so that, like the other features, larger means more confident.
+  """
+  log_probs = sampling_log_probs(logits, temperature=temperature, top_p=top_p)
+  probs = jnp.exp(log_probs)
+  plogp = jnp.where(probs == 0, 0.0, probs * log_probs)  # 0 log 0 = 0; NaN stays NaN
+  return _clip(jnp.sum(plogp, axis=-1))
+
+
+def _sampled_log_prob(logits, tokens, temperature, top_p):
+  if tokens is None:
+    raise ValueError("tokens: this feature reads the drawn token; pass tokens=[...] int")
+  log_probs = sampling_log_probs(logits, temperature=temperature, top_p=top_p)
+  tokens = jnp.asarray(tokens)
+  _checks.shape("tokens", tokens, log_probs.shape[:-1])
+  return jnp.take_along_axis(log_probs, tokens[..., None].astype(jnp.int32), axis=-1)[..., 0]
+
+
+def logit_q_sampled(logits, *, tokens=None, temperature=1.0, top_p=1.0) -> jax.Array:
+  """`logit(q(x))` of the drawn token x. LOSSY: pruning on it biases the output."""
+  log_q = _sampled_log_prob(logits, tokens, temperature, top_p)
+  # log(1 - q) = log1p(-exp(log q)), accurate for q near 0 and near 1.
+  return _clip(log_q - jnp.log1p(-jnp.exp(jnp.minimum(log_q, -1e-30))))
+
+
+def gumbel_q_sampled(logits, *, tokens=None, temperature=1.0, top_p=1.0) -> jax.Array:
+  """`-log(-log q(x))` of the drawn token x. LOSSY: pruning on it biases the output."""
+  log_q = _sampled_log_prob(logits, tokens, temperature, top_p)
+  return _clip(-jnp.log(jnp.maximum(-log_q, 1e-30)))
+
+
+class Feature(NamedTuple):
+  """A registered feature.
+
+  Attributes:
+    fn: `fn(logits [..., V], *, tokens=None, temperature, top_p) -> [...]` float32.
+    lossless: False when the feature reads the drawn token (never usable for pruning).
+    description: one line for reports.
+  """
+  fn: Callable[..., jax.Array]
+  lossless: bool
+  description: str
+
+  def __call__(self, logits, *, tokens=None, temperature=1.0, top_p=1.0) -> jax.Array:
+    if self.lossless:
+      return self.fn(logits, temperature=temperature, top_p=top_p)
+    return self.fn(logits, tokens=tokens, temperature=temperature, top_p=top_p)
+
+
+FEATURES: dict[str, Feature] = {
+    "logit_qmax": Feature(logit_qmax, True, "log-odds of the draft's top token (shipped)"),
+    "top2_margin": Feature(top2_margin, True, "log q_(1) - log q_(2)"),
+    "neg_entropy": Feature(neg_entropy, True, "negative entropy of q (nats)"),
+    "logit_q_sampled": Feature(logit_q_sampled, False, "logit of q(drawn token) - lossy"),
+    "gumbel_q_sampled": Feature(gumbel_q_sampled, False, "-log(-log q(drawn token)) - lossy"),
+}
+
+
+def get_feature(name: str, *, for_pruning: bool = True) -> Feature:
+  """Looks a feature up by name; refuses lossy features when they would prune."""
+  if name not in FEATURES:
+    raise ValueError(f"feature: unknown name {name!r}; expected one of {sorted(FEATURES)}")
+  feature = FEATURES[name]
+  if for_pruning and not feature.lossless:
+    raise ValueError(
+        f"feature: {name!r} reads the drawn token and biases the output distribution "
+        "(spec section 2); it may be measured in studies but never used for pruning")
+  return feature

@@ -1,0 +1,141 @@
+"""Verification planner: acceptance probabilities -> `num_verified [B]`, losslessly.
+
+The planner composes `survival`, `choose_budget` and `allocate` under an explicit policy
+that decides where the budget comes from (spec section 5):
+
+* ``"current"``: the budget is computed from this step's survivals. Exact for parallel
+  (block) drafters and for greedy drafting, whose K distributions do not depend on this
+  step's draws. BIASED for autoregressive drafters with probabilistic drafting: q[b, i+1]
+  depends on the drawn x[b, i], so the budget, and with it the decision to verify
+  x[b, i], would depend on x[b, i] (the spec's counterexample).
+* ``"lagged"``: the budget used at step t was computed from step t-1's survivals (as
+  vLLM does). It depends on nothing drawn at step t, and allocation with a fixed budget
+  is safe (whether (b, i) is chosen never depends on b's deeper positions), so it is
+  exact for every drafter kind.
+* ``"fixed"``: verify all K positions of every active request (plain speculative
+  decoding). ``"none"``: verify nothing (target-only decoding).
+
+`exact_policy(drafter_kind=..., greedy=...)` returns the policy the engine uses by
+default: ``"current"`` where that is exact, ``"lagged"`` otherwise.
+
+Exploration: every `explore_every` steps one active slot, chosen round-robin by the
+step counter (so independently of every draw), verifies all K positions. A pessimistic
+estimator that would verify nothing still receives labels at every depth and recovers.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from av_jax import _checks
+from av_jax.selection import CostModel, allocate, choose_budget, survival
+
+POLICIES = ("current", "lagged", "fixed", "none")
+DRAFTER_KINDS = ("autoregressive", "parallel")
+
+# The lagged policy's first step verifies everything: the largest int32 budget.
+_ALL = 2**30
+
+
+class PlannerState(NamedTuple):
+  budget: jax.Array  # [] int32, budget for the next step (used by the lagged policy)
+  step: jax.Array    # [] int32, steps planned so far (drives round-robin exploration)
+
+
+class Plan(NamedTuple):
+  num_verified: jax.Array  # [B] int32, verified positions per slot (a prefix)
+  mask: jax.Array          # [B, K] bool, verified positions
+  budget: jax.Array        # [] int32, budget the allocation used (before exploration)
+  explored: jax.Array      # [B] bool, slot verified all K for exploration this step
+
+
+class Planner(NamedTuple):
+  init: Callable[[], PlannerState]
+  plan: Callable[..., tuple[Plan, PlannerState]]
+  policy: str
+
+
+def exact_policy(*, drafter_kind: str, greedy: bool) -> str:
+  """The exact budget policy for a drafter kind and drafting mode (spec section 5)."""
+  if drafter_kind not in DRAFTER_KINDS:
+    raise ValueError(f"drafter_kind: expected one of {DRAFTER_KINDS}, got {drafter_kind!r}")
+  return "current" if (drafter_kind == "parallel" or greedy) else "lagged"
+
+
+def is_exact(policy: str, *, drafter_kind: str, greedy: bool) -> bool:
+  """Whether `policy` keeps the output exactly target-distributed for this drafter."""
+  if policy not in POLICIES:
+    raise ValueError(f"policy: expected one of {POLICIES}, got {policy!r}")
+  return policy != "current" or exact_policy(drafter_kind=drafter_kind, greedy=greedy) == "current"
+
+
+def make_planner(
+    cost: CostModel,
+    *,
+    policy: str = "lagged",
+    explore_every: int = 4,
+    initial_budget: int | None = None,
+) -> Planner:
+  """Builds a verification planner.
+
+  Args:
+    cost: the measured `CostModel` the budget is chosen against.
+    policy: one of `POLICIES` (see the module docstring); use `exact_policy` to pick.
+    explore_every: one slot verifies all K every this many steps; 0 disables.
+    initial_budget: lagged policy's budget at the first step (default: everything).
+
+  Returns:
+    `Planner(init, plan, policy)` with `plan(state, probs [B,K], *, active=None)
+    -> (Plan, state)`.
+
+  Example:
+    >>> planner = make_planner(cost, policy=exact_policy(drafter_kind="parallel",
+    ...                                                  greedy=False))
+    >>> plan, pstate = planner.plan(pstate, est.predict(estate, features), active=active)
+  """
+  if policy not in POLICIES:
+    raise ValueError(f"policy: expected one of {POLICIES}, got {policy!r}")
+  if explore_every < 0:
+    raise ValueError(f"explore_every: expected >= 0, got {explore_every}")
+
+  def init() -> PlannerState:
+    budget = _ALL if initial_budget is None else int(initial_budget)
+    return PlannerState(budget=jnp.asarray(budget, jnp.int32), step=jnp.zeros((), jnp.int32))
+
+  def plan(state: PlannerState, probs: jax.typing.ArrayLike, *,
+           active: jax.typing.ArrayLike | None = None) -> tuple[Plan, PlannerState]:
+    probs = jnp.asarray(probs, jnp.float32)
+    _checks.rank("probs", probs, 2, "BK")
+    B, K = probs.shape
+    if active is None:
+      active = jnp.ones((B,), bool)
+    active = jnp.asarray(active)
+    _checks.shape("active", active, (B,), "B")
+    _checks.boolean("active", active)
+    surv = survival(probs)
+    next_budget = state.budget
+    if policy == "current":
+      budget = choose_budget(surv, cost, active=active)
+    elif policy == "lagged":
+      budget = state.budget
+      next_budget = choose_budget(surv, cost, active=active)
+    elif policy == "fixed":
+      budget = jnp.asarray(B * K, jnp.int32)
+    else:
+      budget = jnp.zeros((), jnp.int32)
+    mask = allocate(surv, budget, active=active)
+    if explore_every > 0 and policy in ("current", "lagged"):
+      slot = (state.step // explore_every) % B
+      explored = (jnp.arange(B) == slot) & (state.step % explore_every == 0) & active
+    else:
+      explored = jnp.zeros((B,), bool)
+    mask = mask | explored[:, None]
+    new_state = PlannerState(budget=next_budget, step=state.step + 1)
+    plan_ = Plan(num_verified=jnp.sum(mask, axis=-1, dtype=jnp.int32), mask=mask,
+                 budget=budget, explored=explored)
+    return plan_, new_state
+
+  return Planner(init=init, plan=plan, policy=policy)

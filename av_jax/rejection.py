@@ -1,0 +1,176 @@
+"""Speculative (rejection) sampling with a per-request number of verified positions.
+
+Standard speculative sampling (spec section 6; Leviathan et al. 2023, Chen et al. 2023):
+for i = 1..m_b accept draft token x_i with probability min(1, p_i(x_i) / q_i(x_i)); at the
+first rejection emit one token from norm(max(0, p_i - q_i)); if all m_b are accepted emit a
+bonus token from p_{m_b + 1}. A request with m_b = 0 emits one token from p_1.
+
+The emitted token is drawn by an exponential race, `argmax_v r(v) / E_v` with
+E_v ~ Exp(1) i.i.d., which samples exactly from the normalised `r` without normalising
+(and without a division by a possibly tiny mass). The three emission cases share one
+formula: the row `a` = number accepted, residual `max(0, p_a - [a < m] q_a)`.
+
+One-hot target probabilities reproduce greedy verification exactly: p(x) = 1 accepts with
+probability 1, p(x) = 0 rejects, and the residual is the one-hot arg-max.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from av_jax import _checks
+
+
+class RejectionResult(NamedTuple):
+  """Outcome of one verification step."""
+  tokens: jax.Array        # [B, K+1] int32, emitted tokens, -1 after the last one
+  num_emitted: jax.Array   # [B] int32, num_accepted + 1
+  num_accepted: jax.Array  # [B] int32, accepted draft tokens (<= num_verified)
+  accepted: jax.Array      # [B, K] bool, position accepted (a prefix)
+  labeled: jax.Array       # [B, K] bool, position has an estimator label
+
+
+def _check_dense(draft_probs, draft_tokens, target_probs, num_verified):
+  _checks.rank("draft_probs", draft_probs, 3, "BKV")
+  B, K, V = draft_probs.shape
+  _checks.shape("draft_tokens", draft_tokens, (B, K), "BK")
+  _checks.integer("draft_tokens", draft_tokens)
+  _checks.shape("target_probs", target_probs, (B, K + 1, V), "B,K+1,V")
+  _checks.shape("num_verified", num_verified, (B,), "B")
+  _checks.integer("num_verified", num_verified)
+
+
+def rejection_sample(
+    key: jax.Array,
+    *,
+    draft_probs: jax.typing.ArrayLike,
+    draft_tokens: jax.typing.ArrayLike,
+    target_probs: jax.typing.ArrayLike,
+    num_verified: jax.typing.ArrayLike,
+) -> RejectionResult:
+  """Verifies the first `num_verified[b]` draft tokens of every request.
+
+  Args:
+    key: PRNG key.
+    draft_probs: `[B, K, V]` the distributions q the draft tokens were drawn from.
+    draft_tokens: `[B, K]` int draft tokens.
+    target_probs: `[B, K+1, V]` target distributions p at each position given the draft
+      prefix; row K gives the bonus token after K accepted.
+    num_verified: `[B]` int in [0, K], verified positions per request.
+
+  Returns:
+    A `RejectionResult`. Labels (spec section 6): accepted positions are labelled 1; the
+    first rejected position is labelled 0; unverified positions are unlabelled.
+
+  Example:
+    >>> out = rejection_sample(key, draft_probs=q, draft_tokens=x, target_probs=p,
+    ...                        num_verified=jnp.full((B,), K))
+  """
+  draft_probs = jnp.asarray(draft_probs, jnp.float32)
+  target_probs = jnp.asarray(target_probs, jnp.float32)
+  draft_tokens = jnp.asarray(draft_tokens)
+  num_verified = jnp.asarray(num_verified)
+  _check_dense(draft_probs, draft_tokens, target_probs, num_verified)
+  B, K, V = draft_probs.shape
+  draft_tokens = draft_tokens.astype(jnp.int32)
+  num_verified = jnp.clip(num_verified.astype(jnp.int32), 0, K)
+  key_accept, key_emit = jax.random.split(key)
+
+  q_x = jnp.take_along_axis(draft_probs, draft_tokens[..., None], axis=-1)[..., 0]
+  p_x = jnp.take_along_axis(target_probs[:, :K], draft_tokens[..., None], axis=-1)[..., 0]
+  u = jax.random.uniform(key_accept, (B, K))
+  # Accept with probability min(1, p/q): u ~ U[0, 1) so u * q < p has exactly that
+  # probability, needs no division, and rejects tokens the target gives p = 0.
+  positions = jnp.arange(K)
+  verified = positions[None, :] < num_verified[:, None]
+  accept_each = (u * q_x < p_x) & verified
+  accepted = jnp.cumprod(accept_each.astype(jnp.int32), axis=-1).astype(bool)
+  num_accepted = jnp.sum(accepted, axis=-1, dtype=jnp.int32)
+
+  rejected = num_accepted < num_verified
+  p_row = jnp.take_along_axis(target_probs, num_accepted[:, None, None], axis=1)[:, 0]
+  q_row = jnp.take_along_axis(draft_probs, jnp.minimum(num_accepted, K - 1)[:, None, None],
+                              axis=1)[:, 0]
+  residual = jnp.maximum(p_row - jnp.where(rejected[:, None], q_row, 0.0), 0.0)
+  # Float rounding can leave an all-zero residual only when p ~= q; p is then the law.
+  residual = jnp.where(jnp.sum(residual, -1, keepdims=True) > 0, residual, p_row)
+  race = residual / jax.random.exponential(key_emit, (B, V))
+  emitted = jnp.argmax(race, axis=-1).astype(jnp.int32)
+
+  out_positions = jnp.arange(K + 1)[None, :]
+  padded_drafts = jnp.concatenate([draft_tokens, jnp.zeros((B, 1), jnp.int32)], axis=1)
+  tokens = jnp.where(out_positions < num_accepted[:, None], padded_drafts,
+                     jnp.where(out_positions == num_accepted[:, None], emitted[:, None], -1))
+  labeled = accepted | ((positions[None, :] == num_accepted[:, None]) & rejected[:, None])
+  return RejectionResult(tokens=tokens, num_emitted=num_accepted + 1,
+                         num_accepted=num_accepted, accepted=accepted, labeled=labeled)
+
+
+def rejection_sample_ragged(
+    key: jax.Array,
+    *,
+    draft_probs: jax.typing.ArrayLike,
+    draft_tokens: jax.typing.ArrayLike,
+    num_draft_tokens: jax.typing.ArrayLike,
+    target_probs: jax.typing.ArrayLike,
+    max_draft_len: int,
+) -> jax.Array:
+  """`rejection_sample` in the ragged layout serving stacks use (vLLM / tpu-inference).
+
+  Request b owns `num_draft_tokens[b]` consecutive draft tokens in the flat buffer and
+  `num_draft_tokens[b] + 1` target rows (its draft positions and its bonus row), in
+  request order. Every request verifies all its draft tokens (the planner already pruned
+  them). Same key, same tokens as the dense function on the padded batch.
+
+  Args:
+    key: PRNG key.
+    draft_probs: `[T, V]` draft distributions of the flat draft tokens.
+    draft_tokens: `[T]` int flat draft tokens.
+    num_draft_tokens: `[B]` int, summing to at most T (trailing entries are padding).
+    target_probs: `[T + B, V]` target distributions, request b's rows at
+      `cu[b] + b ... cu[b] + b + num_draft_tokens[b]` with `cu` the exclusive cumsum.
+    max_draft_len: static K, an upper bound of `num_draft_tokens`.
+
+  Returns:
+    `[T + B]` int32 output tokens in the same ragged layout as `target_probs`: request b's
+    emitted tokens first, then -1 placeholders up to its `num_draft_tokens[b] + 1` slots;
+    rows past the last request are -1.
+  """
+  draft_probs = jnp.asarray(draft_probs, jnp.float32)
+  target_probs = jnp.asarray(target_probs, jnp.float32)
+  draft_tokens = jnp.asarray(draft_tokens)
+  num_draft_tokens = jnp.asarray(num_draft_tokens)
+  _checks.rank("draft_probs", draft_probs, 2, "TV")
+  T, V = draft_probs.shape
+  _checks.shape("draft_tokens", draft_tokens, (T,), "T")
+  _checks.integer("draft_tokens", draft_tokens)
+  _checks.rank("num_draft_tokens", num_draft_tokens, 1, "B")
+  _checks.integer("num_draft_tokens", num_draft_tokens)
+  B = num_draft_tokens.shape[0]
+  _checks.shape("target_probs", target_probs, (T + B, V), "T+B,V")
+  K = int(max_draft_len)
+  if K < 1:
+    raise ValueError(f"max_draft_len: expected >= 1, got {max_draft_len}")
+
+  counts = jnp.clip(num_draft_tokens.astype(jnp.int32), 0, K)
+  starts = jnp.cumsum(counts) - counts  # exclusive cumsum: first draft row of b
+  i = jnp.arange(K + 1)
+  draft_rows = jnp.minimum(starts[:, None] + i[None, :K], T - 1)          # [B, K]
+  target_rows = jnp.minimum(starts[:, None] + jnp.arange(B)[:, None] + i[None, :],
+                            T + B - 1)                                     # [B, K+1]
+  in_draft = i[None, :K] < counts[:, None]
+  dense = rejection_sample(
+      key,
+      draft_probs=jnp.where(in_draft[..., None], draft_probs[draft_rows], 0.0),
+      draft_tokens=jnp.where(in_draft, draft_tokens[draft_rows].astype(jnp.int32), 0),
+      target_probs=target_probs[target_rows],
+      num_verified=counts)
+  # Scatter each request's K + 1 outputs back to its target rows; padding rows (beyond
+  # a request's count + 1, or past the last request) stay -1.
+  own = i[None, :] <= counts[:, None]
+  index = jnp.where(own, target_rows, T + B)  # out of range -> dropped
+  out = jnp.full((T + B,), -1, jnp.int32)
+  return out.at[index.reshape(-1)].set(dense.tokens.reshape(-1), mode="drop")

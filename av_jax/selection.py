@@ -1,0 +1,168 @@
+"""Survival ranking, the throughput-optimal budget, and allocation (spec section 4).
+
+`survival` turns per-token acceptance probabilities into the probability that a draft
+position is reached and accepted. `choose_budget` picks how many draft tokens the whole
+batch verifies by maximising expected emitted tokens over measured step cost, and
+`allocate` gives those tokens to the largest survivals, a prefix of each request.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from av_jax import _checks
+
+
+class CostModel(NamedTuple):
+  """Measured step-cost tables (any time unit; milliseconds by convention).
+
+  A pytree, so it can be passed into jitted functions as data (no recompile when
+  re-profiled). Build it with `make_cost_model` to validate and repair measured tables.
+  """
+  draft_ms: jax.Array   # [R_max + 1] float32, drafting cost with R active requests
+  verify_ms: jax.Array  # [T_max + 1] float32, target cost to verify T tokens
+
+
+def make_cost_model(draft_ms, verify_ms, *, min_cost: float = 1e-6) -> CostModel:
+  """Validates measured cost tables and makes them monotone (host-side, once).
+
+  Args:
+    draft_ms: `[R_max + 1]` drafting cost for 0..R_max active requests.
+    verify_ms: `[T_max + 1]` verification cost for 0..T_max verified tokens.
+    min_cost: floor applied to every entry so no ratio divides by zero.
+
+  Returns:
+    A `CostModel` whose tables are running maxima (cost never falls as work grows).
+
+  Raises:
+    ValueError: naming the table, if it is empty, not 1-D, or holds non-finite or
+      negative entries.
+  """
+  tables = {}
+  for name, table in (("draft_ms", draft_ms), ("verify_ms", verify_ms)):
+    table = np.asarray(table, dtype=np.float64)
+    if table.ndim != 1 or table.size == 0:
+      raise ValueError(f"{name}: expected a non-empty 1-D table, got shape {table.shape}")
+    if not np.all(np.isfinite(table)) or np.any(table < 0):
+      raise ValueError(f"{name}: expected finite, non-negative costs, got {table}")
+    tables[name] = jnp.asarray(np.maximum.accumulate(np.maximum(table, min_cost)), jnp.float32)
+  return CostModel(**tables)
+
+
+def linear_cost_model(max_requests: int, max_tokens: int, *, draft_fixed: float = 1.0,
+                      draft_per_request: float = 0.0, verify_fixed: float = 1.0,
+                      verify_per_token: float = 0.05) -> CostModel:
+  """A synthetic affine cost model (for demos and tests, not measurements)."""
+  r = np.arange(max_requests + 1)
+  t = np.arange(max_tokens + 1)
+  return make_cost_model(draft_fixed + draft_per_request * r, verify_fixed + verify_per_token * t)
+
+
+def survival(probs: jax.typing.ArrayLike) -> jax.Array:
+  """`S[b, i] = prod_{j <= i} probs[b, j]`: probability that positions 1..i are accepted.
+
+  Args:
+    probs: `[..., K]` per-token acceptance probabilities.
+
+  Returns:
+    `[..., K]` float32 cumulative products along the last axis.
+  """
+  probs = jnp.asarray(probs, jnp.float32)
+  _checks.rank_at_least("probs", probs, 1)
+  return jnp.cumprod(probs, axis=-1)
+
+
+def _ranked_survival(survival: jax.Array, active: jax.Array | None) -> jax.Array:
+  """Survivals as ranked: NaN -> 0, made non-increasing per request, inactive -> -1."""
+  s = jnp.clip(jnp.nan_to_num(survival, nan=0.0), 0.0, 1.0)
+  # A running minimum makes every ranking prefix-closed even for inputs that are not
+  # products of probabilities; for true survivals it changes nothing.
+  s = jax.lax.cummin(s, axis=s.ndim - 1)
+  if active is not None:
+    s = jnp.where(active[:, None], s, -1.0)
+  return s
+
+
+def _check_survival(survival, active):
+  survival = jnp.asarray(survival, jnp.float32)
+  _checks.rank("survival", survival, 2, "BK")
+  if active is not None:
+    active = jnp.asarray(active)
+    _checks.shape("active", active, survival.shape[:1], "B")
+    _checks.boolean("active", active)
+  return survival, active
+
+
+def choose_budget(survival: jax.typing.ArrayLike, cost: CostModel, *,
+                  active: jax.typing.ArrayLike | None = None) -> jax.Array:
+  """Number of draft tokens to verify this step, maximising expected throughput.
+
+  With R active requests and their survivals sorted descending s_(1) >= ... >= s_(M):
+  `budget = argmax_n (R + s_(1) + ... + s_(n)) / (draft_ms[R] + verify_ms[R + n])`,
+  n = 0..M (spec section 4); ties go to the smaller n. Values of n whose token count
+  R + n lies beyond `verify_ms` are never chosen; R beyond `draft_ms` uses its last
+  entry. With no active request the budget is 0.
+
+  Args:
+    survival: `[B, K]` survivals.
+    cost: a `CostModel`.
+    active: optional `[B]` bool; inactive slots contribute neither R nor drafts.
+
+  Returns:
+    int32 scalar budget.
+  """
+  survival, active = _check_survival(survival, active)
+  B, K = survival.shape
+  ranked = _ranked_survival(survival, active)
+  num_active = jnp.int32(B) if active is None else jnp.sum(active, dtype=jnp.int32)
+  flat = -jnp.sort(-ranked.reshape(-1))
+  n = jnp.arange(B * K + 1)
+  expected = num_active + jnp.concatenate([jnp.zeros((1,)), jnp.cumsum(jnp.maximum(flat, 0.0))])
+  draft = cost.draft_ms[jnp.minimum(num_active, cost.draft_ms.shape[0] - 1)]
+  tokens = num_active + n
+  verify = cost.verify_ms[jnp.minimum(tokens, cost.verify_ms.shape[0] - 1)]
+  throughput = expected / jnp.maximum(draft + verify, 1e-12)
+  valid = (n <= num_active * K) & (tokens < cost.verify_ms.shape[0])
+  valid = valid.at[0].set(True)
+  return jnp.argmax(jnp.where(valid, throughput, -jnp.inf)).astype(jnp.int32)
+
+
+def allocate(survival: jax.typing.ArrayLike, budget: jax.typing.ArrayLike, *,
+             active: jax.typing.ArrayLike | None = None) -> jax.Array:
+  """Marks the `budget` draft tokens with the largest survival for verification.
+
+  Ties go to the lower position, then the lower slot, so the chosen set is a prefix of
+  every request, and whether (b, i) is chosen never depends on b's deeper positions.
+  Exactly `min(budget, number of active drafts)` entries are chosen; never an inactive
+  slot.
+
+  Args:
+    survival: `[B, K]` survivals.
+    budget: int scalar (traced is fine).
+    active: optional `[B]` bool.
+
+  Returns:
+    `[B, K]` bool; `mask.sum(-1)` is the per-slot `num_verified`.
+  """
+  survival, active = _check_survival(survival, active)
+  budget = jnp.asarray(budget)
+  _checks.rank("budget", budget, 0)
+  _checks.integer("budget", budget)
+  B, K = survival.shape
+  ranked = _ranked_survival(survival, active)
+  # Position-major flattening (index i * B + b) plus a stable sort on -survival gives
+  # exactly the tie order: larger survival, then lower position, then lower slot.
+  flat = ranked.T.reshape(-1)
+  order = jnp.argsort(-flat, stable=True)
+  rank = jnp.zeros((B * K,), jnp.int32).at[order].set(jnp.arange(B * K, dtype=jnp.int32))
+  chosen = (rank < budget) & (flat >= 0)
+  return chosen.reshape(K, B).T
+
+
+def num_verified_from_mask(mask: jax.Array) -> jax.Array:
+  """`[B, K]` prefix mask -> `[B]` int32 number of verified positions."""
+  return jnp.sum(mask, axis=-1, dtype=jnp.int32)

@@ -1,0 +1,37 @@
+"""Batched speculative-decoding engine with Adaptive Verification (see `core`)."""
+
+from av_jax.engine.core import MODES
+from av_jax.engine.core import DecodeState
+from av_jax.engine.core import Engine
+from av_jax.engine.core import EngineConfig
+from av_jax.engine.core import EngineStats
+from av_jax.engine.core import Params
+from av_jax.engine.core import StepInfo
+from av_jax.engine.core import default_cost
+from av_jax.engine.core import init_state
+from av_jax.engine.core import make_engine
+from av_jax.engine.core import prefill
+from av_jax.engine.core import run_chunk
+from av_jax.engine.core import step
+from av_jax.engine.generate import Completion
+from av_jax.engine.generate import GenerateResult
+from av_jax.engine.generate import generate
+
+__all__ = (
+    "Completion",
+    "DecodeState",
+    "Engine",
+    "EngineConfig",
+    "EngineStats",
+    "GenerateResult",
+    "MODES",
+    "Params",
+    "StepInfo",
+    "default_cost",
+    "generate",
+    "init_state",
+    "make_engine",
+    "prefill",
+    "run_chunk",
+    "step",
+)

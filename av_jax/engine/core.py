@@ -1,0 +1,438 @@
+"""The batched speculative-decoding step with Adaptive Verification, all on device.
+
+One jitted `step(params, state) -> (state, StepInfo)`:
+
+    draft K tokens -> features -> acceptance probabilities (online estimator or the
+    drafter's confidence head) -> planner: num_verified per slot -> pack the verified
+    tokens into a static bucket -> target forward on the packed tokens only (`lax.switch`
+    over one program per bucket) -> rejection sample -> commit the emitted tokens to the
+    caches and the sequence buffer -> estimator update.
+
+`run_chunk` scans `step` over a fixed number of steps; the host touches the state only
+between chunks (continuous batching in `av_jax.engine.generate`). Shapes are static:
+B slots, K draft positions, M cache length, V vocabulary, T packed tokens (a bucket).
+
+Positions: slot b's sequence buffer holds `length[b]` tokens (prompt + generated). The
+target cache holds positions `0 .. length-2`; the newest token `tokens[b, length-1]`
+(the "base token") is fed at position `length-1` together with the verified drafts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from av_jax.estimator import EstimatorState, online_estimator
+from av_jax.features import logit_qmax
+from av_jax.models import transformer
+from av_jax.models.config import ModelsConfig
+from av_jax.models.drafters import Drafter, DrafterState
+from av_jax.models.sampling import sample_tokens, sampling_probs
+from av_jax.planner import PlannerState, exact_policy, is_exact, make_planner
+from av_jax.rejection import rejection_sample
+from av_jax.selection import CostModel, linear_cost_model
+
+MODES = ("target_only", "fixed", "av", "av_head", "oracle")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+  """Static engine settings (one compiled program set per config)."""
+  num_slots: int = 8             # B, concurrent request slots
+  max_draft: int = 8             # K, maximum draft length
+  max_len: int = 512             # M, cache positions per slot (prompt + output + K + 1)
+  mode: str = "av"               # one of MODES
+  temperature: float = 1.0       # sampling temperature of draft and target; 0 = greedy
+  top_p: float = 1.0             # nucleus mass of draft and target sampling
+  policy: str | None = None      # planner budget policy; None = the exact one for the drafter
+  num_buckets: int = 4           # static packed-token sizes between B and B*(K+1)
+  buckets: tuple[int, ...] | None = None  # explicit bucket sizes (override num_buckets)
+  refit_interval: int = 100      # estimator round length N (steps)
+  damping: float = 50.0          # estimator evidence damping c
+  l2: float = 1e-3               # estimator ridge
+  init_slope: float = 0.5        # estimator starting slope
+  init_intercept: float = 1.5    # estimator starting intercepts
+  explore_every: int = 4         # one slot verifies all K every this many steps
+  eos_id: int = -1               # end-of-sequence token (-1: none)
+  steps_per_chunk: int = 16      # decode steps per `run_chunk` (host sync granularity)
+
+  def __post_init__(self):
+    if self.mode not in MODES:
+      raise ValueError(f"mode: expected one of {MODES}, got {self.mode!r}")
+    if self.num_slots < 1 or self.max_draft < 1:
+      raise ValueError(f"num_slots and max_draft: expected >= 1, got "
+                       f"{self.num_slots}, {self.max_draft}")
+    if self.max_len < self.max_draft + 3:
+      raise ValueError(f"max_len: expected >= max_draft + 3, got {self.max_len}")
+    if not 0.0 < self.top_p <= 1.0:
+      raise ValueError(f"top_p: expected a value in (0, 1], got {self.top_p}")
+
+  @property
+  def greedy(self) -> bool:
+    return self.temperature <= 0
+
+  def bucket_sizes(self) -> tuple[int, ...]:
+    """Packed-token sizes T, ascending; the last holds every slot's K + 1 tokens."""
+    B, K = self.num_slots, self.max_draft
+    top = B * (K + 1)
+    if self.buckets is not None:
+      sizes = sorted(set(int(b) for b in self.buckets))
+      if sizes[0] < 1:
+        raise ValueError(f"buckets: expected positive sizes, got {self.buckets}")
+      return tuple(sizes) if sizes[-1] >= top else tuple(sizes) + (top,)
+    if self.mode in ("target_only",):
+      return (B,)
+    if self.mode in ("fixed", "oracle"):
+      return (top,)
+    # Geometric spacing from B (target only) to B(K+1) (everything): a step's cost stays
+    # within a constant factor of the tokens it verifies, with few compiled programs.
+    n = max(1, self.num_buckets)
+    sizes = np.unique(np.round(B * (K + 1) ** (np.arange(n) / max(n - 1, 1))).astype(int))
+    return tuple(int(s) for s in sizes[:-1]) + (top,)
+
+
+class EngineStats(NamedTuple):
+  """Running totals since the state was created (device arrays)."""
+  steps: jax.Array            # [] int32, decode steps run
+  emitted: jax.Array          # [] int32, tokens emitted (after stops)
+  verified: jax.Array         # [] int32, draft tokens verified
+  drafted: jax.Array          # [] int32, draft tokens proposed for active slots
+  accepted_at: jax.Array      # [K] int32, accepted drafts per position
+  labeled_at: jax.Array       # [K] int32, labelled drafts per position
+  bucket_hist: jax.Array      # [num_buckets] int32, steps per bucket
+  nonfinite: jax.Array        # [] int32, slot-steps whose draft logits were not finite
+
+
+class DecodeState(NamedTuple):
+  """Everything that changes between decode steps (a pytree)."""
+  target_cache: transformer.KVCache  # [L, B, M, H, Dh] target keys / values
+  drafter: DrafterState              # drafter caches and pending tokens
+  tokens: jax.Array                  # [B, M] int32 sequence buffer (prompt + output)
+  length: jax.Array                  # [B] int32 tokens in the buffer
+  prompt_len: jax.Array              # [B] int32 prompt tokens of the slot's request
+  max_new: jax.Array                 # [B] int32 output-token limit of the request
+  active: jax.Array                  # [B] bool, slot is decoding
+  estimator: EstimatorState          # online acceptance estimator
+  planner: PlannerState              # budget policy state
+  cost: CostModel                    # step-cost tables the budget is chosen against
+  key: jax.Array                     # PRNG key
+  stats: EngineStats                 # running totals
+
+
+class StepInfo(NamedTuple):
+  """Per-step record returned by `run_chunk` (stacked over the chunk's steps)."""
+  budget: jax.Array        # [] int32, planner budget
+  verified: jax.Array      # [] int32, draft tokens verified
+  emitted: jax.Array       # [] int32, tokens emitted
+  bucket: jax.Array        # [] int32, index of the packed bucket used
+  active: jax.Array        # [] int32, active slots
+  features: jax.Array      # [B, K] float32, logit_qmax of every draft
+  probs: jax.Array         # [B, K] float32, predicted acceptance
+  conf: jax.Array          # [B, K] float32, confidence-head probability (0 if none)
+  accepted: jax.Array      # [B, K] bool
+  labeled: jax.Array       # [B, K] bool
+  slot_active: jax.Array   # [B] bool
+
+
+class Params(NamedTuple):
+  target: Any   # target parameter pytree
+  drafter: Any  # drafter parameter pytree
+
+
+class Engine(NamedTuple):
+  """A configured engine: static config and model functions (hashable, jit-static)."""
+  config: EngineConfig
+  models: ModelsConfig
+  drafter: Drafter
+  policy: str
+
+  @property
+  def buckets(self) -> tuple[int, ...]:
+    return self.config.bucket_sizes()
+
+
+def make_engine(config: EngineConfig, models: ModelsConfig, drafter: Drafter) -> Engine:
+  """Binds an engine config to a model set and a drafter; picks the exact policy.
+
+  Args:
+    config: static settings.
+    models: the model set's config (target architecture).
+    drafter: the drafter's functions and kind (`av_jax.models.make_drafter`).
+
+  Raises:
+    ValueError: `av_head` with a drafter that has no confidence head, or a lossy policy
+      requested explicitly for a drafter where it is not exact.
+  """
+  if config.mode == "av_head" and drafter.kind != "block_head":
+    raise ValueError(f"mode: 'av_head' needs a drafter with a confidence head, got "
+                     f"{drafter.kind!r}")
+  policy = config.policy or exact_policy(drafter_kind=drafter.mode, greedy=config.greedy)
+  if not is_exact(policy, drafter_kind=drafter.mode, greedy=config.greedy):
+    raise ValueError(f"policy: {policy!r} is not lossless for a {drafter.mode} drafter with "
+                     f"temperature {config.temperature}; use "
+                     f"{exact_policy(drafter_kind=drafter.mode, greedy=config.greedy)!r}")
+  return Engine(config=config, models=models, drafter=drafter, policy=policy)
+
+
+def _estimator(cfg: EngineConfig):
+  return online_estimator(cfg.max_draft, refit_interval=cfg.refit_interval,
+                          damping=cfg.damping, l2=cfg.l2, init_slope=cfg.init_slope,
+                          init_intercept=cfg.init_intercept)
+
+
+def _planner(engine: Engine, cost: CostModel):
+  cfg = engine.config
+  policy = {"target_only": "none", "fixed": "fixed", "oracle": "fixed"}.get(cfg.mode,
+                                                                           engine.policy)
+  return make_planner(cost, policy=policy, explore_every=cfg.explore_every)
+
+
+def default_cost(cfg: EngineConfig) -> CostModel:
+  """A synthetic affine cost model: right for correctness, not for throughput."""
+  B, K = cfg.num_slots, cfg.max_draft
+  return linear_cost_model(B, B * (K + 1), verify_fixed=1.0, verify_per_token=0.02)
+
+
+def _empty_stats(cfg: EngineConfig) -> EngineStats:
+  zero = jnp.zeros((), jnp.int32)
+  zk = jnp.zeros((cfg.max_draft,), jnp.int32)
+  return EngineStats(steps=zero, emitted=zero, verified=zero, drafted=zero, accepted_at=zk,
+                     labeled_at=zk, nonfinite=zero,
+                     bucket_hist=jnp.zeros((len(cfg.bucket_sizes()),), jnp.int32))
+
+
+def init_state(engine: Engine, params: Params, key: jax.Array,
+               cost: CostModel | None = None) -> DecodeState:
+  """An engine state with every slot empty (inactive).
+
+  Args:
+    engine: the engine.
+    params: model parameters.
+    key: PRNG key of the whole run.
+    cost: measured step costs (`av_jax.engine.profile`); `default_cost` when None. Kept
+      in the state as data, so a re-profiled table needs no recompile.
+  """
+  cfg, models = engine.config, engine.models
+  B, K, M = cfg.num_slots, cfg.max_draft, cfg.max_len
+  cost = default_cost(cfg) if cost is None else cost
+  one = jnp.zeros((B, 1), jnp.int32)
+  hidden = jnp.zeros((B, 1, models.target.d_model), jnp.float32)
+  drafter = engine.drafter.init_state(
+      params.drafter, params.target, prompt=one, prompt_hidden=hidden,
+      next_token=jnp.zeros((B,), jnp.int32), K=K, max_len=M,
+      prompt_lens=jnp.ones((B,), jnp.int32))
+  return DecodeState(
+      target_cache=transformer.init_cache(models.target, B, M),
+      drafter=drafter,
+      tokens=jnp.zeros((B, M), jnp.int32),
+      length=jnp.ones((B,), jnp.int32),
+      prompt_len=jnp.ones((B,), jnp.int32),
+      max_new=jnp.zeros((B,), jnp.int32),
+      active=jnp.zeros((B,), bool),
+      estimator=_estimator(cfg).init(),
+      planner=_planner(engine, cost).init(),
+      cost=cost,
+      key=key,
+      stats=_empty_stats(cfg))
+
+
+def _set_row(batched: jax.Array, single: jax.Array, slot: jax.Array, axis: int) -> jax.Array:
+  start = [0] * batched.ndim
+  start[axis] = slot
+  return jax.lax.dynamic_update_slice(batched, single.astype(batched.dtype), start)
+
+
+def _insert_drafter(batched: DrafterState, single: DrafterState, slot) -> DrafterState:
+  fields = {}
+  for name in DrafterState._fields:
+    b, s = getattr(batched, name), getattr(single, name)
+    if b is None:
+      fields[name] = None
+    elif isinstance(b, transformer.KVCache):
+      fields[name] = transformer.KVCache(*(_set_row(x, y, slot, 1) for x, y in zip(b, s)))
+    else:
+      fields[name] = _set_row(b, s, slot, 0)
+  return DrafterState(**fields)
+
+
+def prefill(engine: Engine, params: Params, state: DecodeState, *, prompt: jax.Array,
+            prompt_len: jax.Array, slot: jax.Array, max_new: jax.Array) -> DecodeState:
+  """Starts a request in `slot`: prefill its prompt and draw its first output token.
+
+  Args:
+    engine: the engine.
+    params: model parameters.
+    state: the decode state; other slots are untouched.
+    prompt: `[P]` int32 prompt padded to a static bucket length P.
+    prompt_len: int32 scalar, real prompt length (1 <= prompt_len <= P).
+    slot: int32 scalar slot index.
+    max_new: int32 scalar, output-token limit (the first token counts).
+
+  Returns:
+    The state with the slot active (inactive again at once if max_new <= 1 or the first
+    token is EOS).
+  """
+  cfg, models = engine.config, engine.models
+  P = prompt.shape[0]
+  positions = jnp.arange(P)[None]
+  valid = positions < prompt_len
+  cache = transformer.init_cache(models.target, 1, cfg.max_len)
+  out = transformer.forward(params.target, prompt[None], positions, cache, cfg=models.target,
+                            valid=valid)
+  key, k_first = jax.random.split(state.key)
+  last_logits = out.logits[0, prompt_len - 1]
+  first = sample_tokens(k_first, last_logits, temperature=cfg.temperature, top_p=cfg.top_p)
+  dstate = engine.drafter.init_state(
+      params.drafter, params.target, prompt=prompt[None], prompt_hidden=out.hidden,
+      next_token=first[None], K=cfg.max_draft, max_len=cfg.max_len,
+      prompt_lens=prompt_len[None])
+  row = jnp.zeros((cfg.max_len,), jnp.int32).at[:P].set(jnp.where(valid[0], prompt, 0))
+  row = row.at[prompt_len].set(first)
+  done = (max_new <= 1) | (first == cfg.eos_id)
+  return state._replace(
+      target_cache=transformer.KVCache(*(_set_row(b, s, slot, 1) for b, s in
+                                         zip(state.target_cache, out.cache))),
+      drafter=_insert_drafter(state.drafter, dstate, slot),
+      tokens=state.tokens.at[slot].set(row),
+      length=state.length.at[slot].set(prompt_len + 1),
+      prompt_len=state.prompt_len.at[slot].set(prompt_len),
+      max_new=state.max_new.at[slot].set(max_new),
+      active=state.active.at[slot].set(~done),
+      key=key)
+
+
+def _verify_packed(engine: Engine, target_params, cache, *, tokens, positions, valid):
+  """Runs the target on the valid entries of `[B, K+1]` packed into the smallest bucket.
+
+  Returns dense `[B, K+1, V]` logits and `[B, K+1, D]` hidden states (junk where not
+  valid), the updated cache, and the bucket index.
+  """
+  cfg, models = engine.config, engine.models
+  B, K1 = tokens.shape
+  sizes = engine.buckets
+  per_slot = jnp.sum(valid, axis=1)
+  offsets = jnp.cumsum(per_slot) - per_slot                        # [B]
+  index = offsets[:, None] + jnp.arange(K1)[None, :]                # [B, K+1]
+  total = jnp.sum(per_slot)
+  bucket = jnp.minimum(jnp.searchsorted(jnp.asarray(sizes), total, side="left"),
+                       len(sizes) - 1).astype(jnp.int32)
+  slot_ids = jnp.broadcast_to(jnp.arange(B)[:, None], (B, K1))
+
+  def branch(size):
+    def run(cache):
+      flat = jnp.where(valid, index, size).reshape(-1)  # invalid -> out of range, dropped
+      pack = lambda x, fill: jnp.full((size,), fill, x.dtype).at[flat].set(
+          x.reshape(-1), mode="drop")
+      out = transformer.forward_packed(
+          target_params, pack(tokens, 0), slot=pack(slot_ids, 0),
+          positions=pack(positions, 0), valid=pack(valid, False), cache=cache,
+          cfg=models.target)
+      gather = jnp.clip(index, 0, size - 1)
+      return out.logits[gather], out.hidden[gather], out.cache
+    return run
+
+  logits, hidden, cache = jax.lax.switch(bucket, [branch(s) for s in sizes], cache)
+  return logits, hidden, cache, bucket
+
+
+def step(engine: Engine, params: Params, state: DecodeState) -> tuple[DecodeState, StepInfo]:
+  """One speculative-decoding step for every active slot (see the module docstring)."""
+  cfg = engine.config
+  B, K = cfg.num_slots, cfg.max_draft
+  est = _estimator(cfg)
+  planner = _planner(engine, state.cost)
+  key, k_draft, k_verify = jax.random.split(state.key, 3)
+  active = state.active
+
+  # 1. Draft, and score the drafts (rule 1: from the distribution, never the token).
+  draft = engine.drafter.draft(params.drafter, params.target, state.drafter, k_draft, K=K,
+                               temperature=cfg.temperature, top_p=cfg.top_p)
+  finite = jnp.all(jnp.isfinite(draft.logits), axis=(1, 2))
+  draft_logits = jnp.where(finite[:, None, None], draft.logits, 0.0)
+  features = logit_qmax(draft_logits, temperature=cfg.temperature, top_p=cfg.top_p)
+  conf = (jax.nn.sigmoid(draft.conf_logits) if draft.conf_logits is not None
+          else jnp.zeros((B, K), jnp.float32))
+  if cfg.mode == "av_head":
+    probs = conf
+  else:
+    probs = est.predict(state.estimator, features)
+
+  # 2. Plan. A slot with non-finite draft logits falls back to target-only this step.
+  plan, planner_state = planner.plan(state.planner, probs, active=active & finite)
+  num_verified = jnp.where(active & finite, plan.num_verified, 0)
+
+  # 3. Verify: base token + verified drafts, packed, one target pass.
+  base = state.tokens[jnp.arange(B), state.length - 1]
+  verify_tokens = jnp.concatenate([base[:, None], draft.tokens], axis=1)     # [B, K+1]
+  j = jnp.arange(K + 1)[None, :]
+  positions = state.length[:, None] - 1 + j
+  valid = active[:, None] & (j <= num_verified[:, None])
+  target_logits, target_hidden, target_cache, bucket = _verify_packed(
+      engine, params.target, state.target_cache, tokens=verify_tokens, positions=positions,
+      valid=valid)
+  draft_probs = sampling_probs(draft_logits, temperature=cfg.temperature, top_p=cfg.top_p)
+  target_probs = sampling_probs(target_logits, temperature=cfg.temperature, top_p=cfg.top_p)
+  result = rejection_sample(k_verify, draft_probs=draft_probs, draft_tokens=draft.tokens,
+                            target_probs=target_probs, num_verified=num_verified)
+  verified_count = num_verified
+  if cfg.mode == "oracle":  # hindsight accounting: only the accepted drafts were needed
+    verified_count = result.num_accepted
+
+  # 4. Stops: EOS, the request's output limit, the cache length.
+  emitted = result.tokens                                                    # [B, K+1]
+  is_eos = (emitted == cfg.eos_id) & (j < result.num_emitted[:, None])
+  first_eos = jnp.min(jnp.where(is_eos, j, K + 1), axis=1)
+  generated = state.length - state.prompt_len
+  # The next step feeds positions up to length - 1 + K, which must stay below M.
+  room = jnp.minimum(state.max_new - generated, cfg.max_len - K - state.length)
+  n = jnp.minimum(jnp.minimum(result.num_emitted, first_eos + 1), jnp.maximum(room, 0))
+  n = jnp.where(active, n, 0)
+  done = active & ((first_eos < n) | (n >= room))
+  write = jnp.where(j < n[:, None], state.length[:, None] + j, cfg.max_len)
+  tokens = state.tokens.at[jnp.arange(B)[:, None], write].set(jnp.maximum(emitted, 0),
+                                                              mode="drop")
+
+  # 5. Commit to the drafter; inactive slots keep their (unused) pending block.
+  committed = engine.drafter.commit(draft.state, emitted_tokens=emitted,
+                                    num_emitted=result.num_emitted, target_hidden=target_hidden)
+  keep = lambda new, old: jnp.where(active.reshape((B,) + (1,) * (new.ndim - 1)), new, old)
+  drafter_state = committed._replace(
+      tokens=keep(committed.tokens, state.drafter.tokens),
+      hidden=keep(committed.hidden, state.drafter.hidden),
+      num_pending=keep(committed.num_pending, state.drafter.num_pending),
+      position=keep(committed.position, state.drafter.position))
+
+  # 6. Learn from the labels verification produced anyway.
+  labeled = result.labeled & (active & finite)[:, None]
+  estimator = est.update(state.estimator, features, result.accepted, labeled)
+
+  stats = state.stats
+  stats = EngineStats(
+      steps=stats.steps + 1,
+      emitted=stats.emitted + jnp.sum(n),
+      verified=stats.verified + jnp.sum(verified_count),
+      drafted=stats.drafted + K * jnp.sum(active),
+      accepted_at=stats.accepted_at + jnp.sum(result.accepted & labeled, 0, dtype=jnp.int32),
+      labeled_at=stats.labeled_at + jnp.sum(labeled, 0, dtype=jnp.int32),
+      bucket_hist=stats.bucket_hist.at[bucket].add(1),
+      nonfinite=stats.nonfinite + jnp.sum(active & ~finite))
+  new_state = state._replace(
+      target_cache=target_cache, drafter=drafter_state, tokens=tokens,
+      length=state.length + n, active=active & ~done, estimator=estimator,
+      planner=planner_state, key=key, stats=stats)
+  info = StepInfo(budget=plan.budget, verified=jnp.sum(verified_count), emitted=jnp.sum(n),
+                  bucket=bucket, active=jnp.sum(active, dtype=jnp.int32), features=features,
+                  probs=probs, conf=conf, accepted=result.accepted, labeled=labeled,
+                  slot_active=active)
+  return new_state, info
+
+
+def run_chunk(engine: Engine, params: Params, state: DecodeState,
+              num_steps: int | None = None) -> tuple[DecodeState, StepInfo]:
+  """`lax.scan` of `step` over `num_steps` (default `steps_per_chunk`) decode steps."""
+  num_steps = num_steps or engine.config.steps_per_chunk
+  return jax.lax.scan(lambda s, _: step(engine, params, s), state, None, length=num_steps)

@@ -1,0 +1,165 @@
+"""Host loop: continuous batching over jitted decode chunks.
+
+The device runs `run_chunk` (a `lax.scan` of decode steps) with no host transfer inside.
+Between chunks the host reads the slots' active flags and lengths (one small transfer),
+collects finished requests, and prefills waiting requests into the freed slots.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from av_jax.engine import core
+from av_jax.selection import CostModel
+
+
+@dataclasses.dataclass
+class Completion:
+  """One request's result."""
+  prompt: list[int]            # the prompt token ids
+  tokens: list[int]            # generated token ids (first one drawn at prefill)
+  finish_reason: str           # "eos", "length", or "error"
+  error: str | None = None     # why the request was refused, when finish_reason == "error"
+
+
+@dataclasses.dataclass
+class GenerateResult:
+  completions: list[Completion]   # in request order
+  stats: dict[str, float]         # totals from the engine's running statistics
+  infos: list[core.StepInfo]      # per-chunk step records (host numpy), if kept
+  state: core.DecodeState | None = None  # the final (idle) state, to continue from
+
+
+def _prompt_bucket(length: int, max_prompt: int) -> int:
+  """Static padded prompt length: the next power of two >= 16, capped at max_prompt."""
+  size = 16
+  while size < length:
+    size *= 2
+  return min(size, max_prompt)
+
+
+@functools.lru_cache(maxsize=32)
+def compiled(engine: core.Engine):
+  """Jitted (prefill, run_chunk, init) for an engine; cached so it compiles once."""
+  prefill = jax.jit(lambda params, state, prompt, prompt_len, slot, max_new: core.prefill(
+      engine, params, state, prompt=prompt, prompt_len=prompt_len, slot=slot,
+      max_new=max_new), donate_argnums=(1,))
+  chunk = jax.jit(lambda params, state: core.run_chunk(engine, params, state),
+                  donate_argnums=(1,))
+  init = jax.jit(lambda params, key, cost: core.init_state(engine, params, key, cost))
+  return prefill, chunk, init
+
+
+def validate_prompt(prompt: Sequence[int], *, vocab_size: int, max_prompt: int) -> str | None:
+  """Why a prompt cannot be served, or None."""
+  if len(prompt) == 0:
+    return "prompt: expected at least one token, got an empty prompt"
+  if len(prompt) > max_prompt:
+    return f"prompt: {len(prompt)} tokens exceed the engine's limit of {max_prompt}"
+  bad = [t for t in prompt if not 0 <= int(t) < vocab_size]
+  if bad:
+    return f"prompt: token ids {bad[:5]} outside the vocabulary [0, {vocab_size})"
+  return None
+
+
+def generate(engine: core.Engine, params: core.Params, prompts: Sequence[Sequence[int]], *,
+             max_new_tokens: int | Sequence[int], key: jax.Array,
+             cost: CostModel | None = None, keep_infos: bool = False,
+             on_chunk: Callable[[core.DecodeState, core.StepInfo], None] | None = None,
+             state: core.DecodeState | None = None) -> GenerateResult:
+  """Generates continuations of `prompts` with continuous batching.
+
+  Args:
+    engine: a configured engine (`core.make_engine`).
+    params: target and drafter parameters.
+    prompts: token-id lists. A bad prompt (empty, too long, ids outside the vocabulary)
+      gets a Completion with `finish_reason="error"`; the others are served.
+    max_new_tokens: output limit, one for all or one per request.
+    key: PRNG key of the run (same key, same tokens).
+    cost: step-cost tables for the planner (`core.default_cost` when None).
+    keep_infos: keep every chunk's per-step records (host copies) in the result.
+    on_chunk: called after every chunk with the state and the chunk's step records
+      (streaming, progress).
+    state: continue from this decode state instead of a fresh one (must be idle).
+
+  Returns:
+    A `GenerateResult`.
+  """
+  cfg = engine.config
+  B = cfg.num_slots
+  prefill, chunk, init = compiled(engine)
+  if isinstance(max_new_tokens, int):
+    max_new_tokens = [max_new_tokens] * len(prompts)
+  if len(max_new_tokens) != len(prompts):
+    raise ValueError(f"max_new_tokens: expected {len(prompts)} limits, got "
+                     f"{len(max_new_tokens)}")
+  max_prompt = cfg.max_len - cfg.max_draft - 2
+  vocab = engine.models.target.vocab_size
+  completions: list[Completion | None] = [None] * len(prompts)
+  waiting = []
+  for i, prompt in enumerate(prompts):
+    error = validate_prompt(prompt, vocab_size=vocab, max_prompt=max_prompt)
+    if error is None and max_new_tokens[i] < 1:
+      error = f"max_new_tokens: expected >= 1, got {max_new_tokens[i]}"
+    if error is not None:
+      completions[i] = Completion(list(prompt), [], "error", error)
+    else:
+      waiting.append(i)
+  waiting.reverse()  # pop() serves requests in order
+
+  if state is None:
+    state = init(params, key, core.default_cost(cfg) if cost is None else cost)
+  owner = [-1] * B  # request index held by each slot
+  infos = []
+
+  def settle(state):
+    """Collects finished slots and refills free ones until nothing changes."""
+    while True:
+      active = np.asarray(state.active)
+      changed = False
+      lengths = prompt_lens = tokens = None
+      for b in range(B):
+        if owner[b] >= 0 and not active[b]:
+          if tokens is None:
+            tokens, lengths, prompt_lens = (np.asarray(x) for x in
+                                            (state.tokens, state.length, state.prompt_len))
+          i = owner[b]
+          out = tokens[b, prompt_lens[b]:lengths[b]].tolist()
+          reason = "eos" if out and out[-1] == cfg.eos_id else "length"
+          completions[i] = Completion(list(prompts[i]), out, reason)
+          owner[b] = -1
+          changed = True
+        if owner[b] < 0 and waiting:
+          i = waiting.pop()
+          prompt = np.asarray(prompts[i], np.int32)
+          size = _prompt_bucket(len(prompt), max_prompt)
+          padded = np.zeros((size,), np.int32)
+          padded[:len(prompt)] = prompt
+          state = prefill(params, state, padded, np.int32(len(prompt)), np.int32(b),
+                          np.int32(max_new_tokens[i]))
+          owner[b] = i
+          changed = True
+      if not changed:
+        return state
+
+  state = settle(state)
+  while any(o >= 0 for o in owner):
+    state, info = chunk(params, state)
+    if keep_infos:
+      infos.append(jax.tree.map(np.asarray, info))
+    if on_chunk is not None:
+      on_chunk(state, info)
+    state = settle(state)
+
+  s = jax.tree.map(np.asarray, state.stats)
+  stats = dict(steps=int(s.steps), emitted=int(s.emitted), verified=int(s.verified),
+               drafted=int(s.drafted), nonfinite=int(s.nonfinite),
+               acceptance_at=(s.accepted_at / np.maximum(s.labeled_at, 1)).tolist(),
+               bucket_hist=s.bucket_hist.tolist())
+  return GenerateResult(completions=completions, stats=stats, infos=infos, state=state)

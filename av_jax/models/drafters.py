@@ -1,0 +1,391 @@
+"""The four drafter kinds behind one interface.
+
+| kind         | mode           | what it is                                                        |
+|--------------|----------------|-------------------------------------------------------------------|
+| `draft_lm`   | autoregressive | independent small LM with its own KV cache                        |
+| `eagle`      | autoregressive | one transformer layer over (target hidden, next-token embedding), |
+|              |                | shares the target's embedding/head, feeds its own features back   |
+| `block`      | parallel       | K positions in one pass from the target's last hidden state       |
+| `block_head` | parallel       | `block` plus a linear confidence head trained on target accepts   |
+
+`mode` matters to AV's exactness (spec section 5, rule 2): with an autoregressive drafter
+and sampled drafts, q at position i+1 depends on the token drawn at position i.
+
+Protocol (all functions pure; `K` static, `temperature` / `top_p` may be traced arrays):
+
+  state = drafter.init_state(params, target_params, prompt=[B,P], prompt_hidden=[B,P,D],
+                             next_token=[B], K=K, max_len=M, prompt_lens=[B] or None)
+  out = drafter.draft(params, target_params, state, key, K=K, temperature=t, top_p=p)
+  # out.logits [B,K,V], out.tokens [B,K], out.conf_logits [B,K] or None, out.state
+  state = drafter.commit(out.state, emitted_tokens=[B,K+1], num_emitted=[B],
+                         target_hidden=[B,K+1,D])
+
+Sequence bookkeeping. The committed sequence of slot b ends with token x_n at position n
+(the last emitted token, not yet seen by the target). The state holds the committed tokens
+the drafter has not consumed yet ("pending", at most K+1, the last of which is x_n), each
+paired with the target hidden state that predicted it. `draft` consumes the pending block
+and drafts x_{n+1..n+K}. The verification pass runs the target on [x_n, d_1..d_K] at
+positions n..n+K; its hidden states and the emitted tokens become the next pending block
+(`commit`). Drafter cache entries above the consumed prefix are stale but never read.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Callable, NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from av_jax import _checks
+from av_jax.models import transformer
+from av_jax.models.config import BlockConfig, EagleConfig, ModelsConfig, TransformerConfig
+from av_jax.models.layers import Block, LayerKV, RMSNorm
+from av_jax.models.sampling import sample_tokens
+
+KINDS = ("draft_lm", "eagle", "block", "block_head")
+MODES = {"draft_lm": "autoregressive", "eagle": "autoregressive", "block": "parallel",
+         "block_head": "parallel"}
+
+
+class DrafterState(NamedTuple):
+  """Per-slot drafter state (a pytree)."""
+  cache: transformer.KVCache | None  # [L, B, M, H, Dh] own KV cache; None for parallel kinds
+  tokens: jax.Array       # [B, K+1] int32 pending committed tokens (entries >= num_pending junk)
+  hidden: jax.Array       # [B, K+1, D] target hidden state that predicted each pending token
+  num_pending: jax.Array  # [B] int32 >= 1, valid entries of tokens / hidden
+  position: jax.Array     # [B] int32 sequence position of tokens[:, 0]
+
+
+class DraftOutput(NamedTuple):
+  """What `draft` returns."""
+  logits: jax.Array               # [B, K, V] float32 raw draft logits (q = sampling(logits))
+  tokens: jax.Array               # [B, K] int32 drawn draft tokens
+  conf_logits: jax.Array | None   # [B, K] float32 confidence-head logits (block_head only)
+  state: DrafterState             # state after drafting (commit before the next draft)
+
+
+class Drafter(NamedTuple):
+  """A drafter kind: metadata and its three pure functions (see module docstring)."""
+  kind: str              # one of KINDS
+  mode: str              # "autoregressive" or "parallel"
+  init_state: Callable   # (params, target_params, *, prompt, prompt_hidden, next_token, K,
+                         #  max_len, prompt_lens=None) -> DrafterState
+  draft: Callable        # (params, target_params, state, key, *, K, temperature, top_p)
+                         #  -> DraftOutput
+  commit: Callable       # (state, *, emitted_tokens, num_emitted, target_hidden) -> DrafterState
+
+
+# ----------------------------------------------------------------------------- modules
+
+
+class EagleHead(nn.Module):
+  """EAGLE-style head: `fc([h_{t-1}; e(x_t)])`, one transformer layer, norm, shared head.
+
+  Reference: Li et al. 2024, "EAGLE: Speculative Sampling Requires Rethinking Feature
+  Uncertainty". Input at position t is the target feature that predicted x_t and x_t's
+  embedding; the output approximates the target feature at t (which predicts x_{t+1}).
+  """
+  d_model: int
+  cfg: EagleConfig
+  rope_theta: float
+  mode: str = "causal"
+
+  @nn.compact
+  def __call__(self, embedding, hidden, tokens, positions, cache=None, write_positions=None):
+    e = embedding[tokens] * math.sqrt(self.d_model)
+    x = nn.Dense(self.d_model, use_bias=False, name="fc")(jnp.concatenate([hidden, e], -1))
+    x, new_cache = Block(self.cfg.num_heads, self.cfg.head_dim, self.cfg.mlp_dim,
+                         self.rope_theta, self.mode, name="layer")(x, positions, cache, None,
+                                                                   write_positions)
+    features = RMSNorm(name="norm")(x)
+    return features, features @ embedding.T, new_cache
+
+
+class BlockDrafter(nn.Module):
+  """Parallel block drafter: K_max positions in one bidirectional pass.
+
+  The context vector `fc([h_n-1; e(x_n)])` plus a learned slot embedding forms K_max+1
+  slots; `num_layers` bidirectional blocks mix them; slot i (1..K_max) predicts x_{n+i}
+  through the target's shared output head. No slot sees a drawn token, so the K
+  distributions do not depend on the draws (references: Cai et al. 2024 "Medusa";
+  DFlash-style block diffusion drafters). With `with_head`, a linear layer on each slot's
+  hidden state gives confidence logits (DSpark-style head).
+  """
+  d_model: int
+  cfg: BlockConfig
+  with_head: bool = False
+
+  @nn.compact
+  def __call__(self, embedding, hidden, tokens):
+    e = embedding[tokens] * math.sqrt(self.d_model)
+    ctx = nn.Dense(self.d_model, use_bias=False, name="fc")(jnp.concatenate([hidden, e], -1))
+    slots = self.param("slot_embed", nn.initializers.normal(0.02),
+                       (self.cfg.block_size + 1, self.d_model))
+    x = ctx[..., None, :] + slots  # [..., K_max+1, D]
+    for i in range(self.cfg.num_layers):
+      x, _ = Block(self.cfg.num_heads, self.cfg.head_dim, self.cfg.mlp_dim, 1.0,
+                   "bidirectional", name=f"layer_{i}")(x, None)
+    feats = RMSNorm(name="norm")(x[..., 1:, :])  # [..., K_max, D]
+    logits = feats @ embedding.T
+    conf = None
+    if self.with_head:
+      conf = nn.Dense(1, name="conf_head")(jax.lax.stop_gradient(feats))[..., 0]
+    return feats, logits, conf
+
+
+def _eagle_module(cfg: ModelsConfig, mode: str) -> EagleHead:
+  return EagleHead(cfg.target.d_model, cfg.eagle, cfg.target.rope_theta, mode)
+
+
+def _block_module(cfg: ModelsConfig, kind: str) -> BlockDrafter:
+  return BlockDrafter(cfg.target.d_model, cfg.block, with_head=(kind == "block_head"))
+
+
+def init_drafter_params(kind: str, cfg: ModelsConfig, key: jax.Array):
+  """Random parameters of drafter `kind` (does not include the shared target embedding)."""
+  d = cfg.target.d_model
+  emb = jnp.zeros([cfg.target.vocab_size, d])
+  if kind == "draft_lm":
+    return transformer.init_params(cfg.draft_lm, key)
+  if kind == "eagle":
+    return _eagle_module(cfg, "causal").init(key, emb, jnp.zeros([1, 4, d]),
+                                             jnp.zeros([1, 4], jnp.int32),
+                                             jnp.arange(4)[None])["params"]
+  if kind in ("block", "block_head"):
+    return _block_module(cfg, kind).init(key, emb, jnp.zeros([1, d]),
+                                         jnp.zeros([1], jnp.int32))["params"]
+  raise KeyError(f"unknown drafter kind {kind!r}; known: {KINDS}")
+
+
+# ------------------------------------------------------------------------ shared helpers
+
+
+def _last_pending(state: DrafterState):
+  """(token [B], hidden [B, D], position [B]) of the newest committed token x_n."""
+  idx = state.num_pending - 1
+  tok = jnp.take_along_axis(state.tokens, idx[:, None], 1)[:, 0]
+  hid = jnp.take_along_axis(state.hidden, idx[:, None, None], 1)[:, 0]
+  return tok, hid, state.position + idx
+
+
+def _pick(x: jax.Array, idx: jax.Array) -> jax.Array:
+  """x[b, idx[b]] for x [B, P, ...]."""
+  return jnp.take_along_axis(x, idx.reshape(idx.shape + (1,) * (x.ndim - 1)), 1)[:, 0]
+
+
+def _pending_inputs(state: DrafterState):
+  width = state.tokens.shape[1]
+  offs = jnp.arange(width)[None]
+  return state.position[:, None] + offs, offs < state.num_pending[:, None]
+
+
+def commit(state: DrafterState, *, emitted_tokens: jax.typing.ArrayLike,
+           num_emitted: jax.typing.ArrayLike,
+           target_hidden: jax.typing.ArrayLike) -> DrafterState:
+  """Advances the state past a verification step (the same for every kind).
+
+  Args:
+    state: the state returned by `draft`.
+    emitted_tokens: `[B, K+1]` tokens emitted by verification (-1 after the last).
+    num_emitted: `[B]` int number emitted (>= 1).
+    target_hidden: `[B, K+1, D]` target hidden states of the verification inputs
+      `[x_n, d_1..d_K]`; entry j predicted emitted token j.
+
+  Returns:
+    The state whose pending block is the emitted tokens.
+  """
+  emitted_tokens = jnp.asarray(emitted_tokens)
+  num_emitted = jnp.asarray(num_emitted, jnp.int32)
+  target_hidden = jnp.asarray(target_hidden)
+  _checks.shape("emitted_tokens", emitted_tokens, state.tokens.shape, "BK")
+  _checks.shape("target_hidden", target_hidden, state.hidden.shape, "BKD")
+  _checks.shape("num_emitted", num_emitted, state.num_pending.shape, "B")
+  return state._replace(tokens=jnp.maximum(emitted_tokens, 0).astype(jnp.int32),
+                        hidden=target_hidden.astype(state.hidden.dtype),
+                        num_pending=num_emitted,
+                        position=state.position + state.num_pending)
+
+
+def _pending_from_prompt(prompt_hidden, next_token, prompt_lens, K):
+  batch, _, d = prompt_hidden.shape
+  last_h = _pick(prompt_hidden, prompt_lens - 1)
+  tokens = jnp.zeros([batch, K + 1], jnp.int32).at[:, 0].set(next_token)
+  hidden = jnp.zeros([batch, K + 1, d], prompt_hidden.dtype).at[:, 0].set(last_h)
+  return tokens, hidden
+
+
+def _check_init(prompt, prompt_hidden, next_token):
+  _checks.rank("prompt", prompt, 2, "BP")
+  _checks.shape("prompt_hidden", prompt_hidden, prompt.shape + (None,), "BPD")
+  _checks.shape("next_token", next_token, prompt.shape[:1], "B")
+
+
+# ------------------------------------------------------------------------------ draft_lm
+
+
+def _make_draft_lm(cfg: ModelsConfig) -> Drafter:
+  lm_cfg: TransformerConfig = cfg.draft_lm
+
+  def init_state(params, target_params, *, prompt, prompt_hidden, next_token, K, max_len,
+                 prompt_lens=None):
+    del target_params
+    prompt, prompt_hidden = jnp.asarray(prompt), jnp.asarray(prompt_hidden)
+    next_token = jnp.asarray(next_token, jnp.int32)
+    _check_init(prompt, prompt_hidden, next_token)
+    batch, length = prompt.shape
+    lens = jnp.full([batch], length, jnp.int32) if prompt_lens is None else jnp.asarray(
+        prompt_lens, jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(length), prompt.shape)
+    cache = transformer.init_cache(lm_cfg, batch, max_len)
+    cache = transformer.forward(params, prompt, positions, cache, cfg=lm_cfg,
+                                valid=positions < lens[:, None]).cache
+    tokens, hidden = _pending_from_prompt(prompt_hidden, next_token, lens, K)
+    return DrafterState(cache, tokens, hidden, jnp.ones([batch], jnp.int32), lens)
+
+  def draft(params, target_params, state, key, *, K, temperature=1.0, top_p=1.0):
+    del target_params
+    positions, valid = _pending_inputs(state)
+    out = transformer.forward(params, state.tokens, positions, state.cache, cfg=lm_cfg,
+                              valid=valid)
+    logits0 = _pick(out.logits, state.num_pending - 1)
+    _, _, pos_n = _last_pending(state)
+    keys = jax.random.split(key, K)
+    tok0 = sample_tokens(keys[0], logits0, temperature=temperature, top_p=top_p)
+
+    def step(carry, inp):
+      cache, tok, pos = carry
+      k, = inp
+      o = transformer.forward(params, tok[:, None], pos[:, None], cache, cfg=lm_cfg)
+      logits = o.logits[:, 0]
+      nxt = sample_tokens(k, logits, temperature=temperature, top_p=top_p)
+      return (o.cache, nxt, pos + 1), (logits, nxt)
+
+    (cache, _, _), (logits, toks) = jax.lax.scan(step, (out.cache, tok0, pos_n + 1),
+                                                 (keys[1:],))
+    logits = jnp.concatenate([logits0[:, None], jnp.moveaxis(logits, 0, 1)], 1)
+    toks = jnp.concatenate([tok0[:, None], jnp.moveaxis(toks, 0, 1)], 1)
+    return DraftOutput(logits, toks, None, state._replace(cache=cache))
+
+  return Drafter("draft_lm", MODES["draft_lm"], init_state, draft, commit)
+
+
+# --------------------------------------------------------------------------------- eagle
+
+
+def _make_eagle(cfg: ModelsConfig) -> Drafter:
+  ecfg = cfg.eagle
+  dense_head = _eagle_module(cfg, "dense")
+  one_layer = TransformerConfig(vocab_size=1, d_model=cfg.target.d_model, num_layers=1,
+                                num_heads=ecfg.num_heads, head_dim=ecfg.head_dim,
+                                mlp_dim=ecfg.mlp_dim)
+
+  def run(params, emb, hidden, tokens, positions, cache, write):
+    layer = LayerKV(cache.k[0], cache.v[0])
+    feats, logits, new = dense_head.apply({"params": params}, emb, hidden, tokens, positions,
+                                          layer, write)
+    return feats, logits, transformer.KVCache(new.k[None], new.v[None])
+
+  def init_state(params, target_params, *, prompt, prompt_hidden, next_token, K, max_len,
+                 prompt_lens=None):
+    prompt, prompt_hidden = jnp.asarray(prompt), jnp.asarray(prompt_hidden)
+    next_token = jnp.asarray(next_token, jnp.int32)
+    _check_init(prompt, prompt_hidden, next_token)
+    batch, length = prompt.shape
+    lens = jnp.full([batch], length, jnp.int32) if prompt_lens is None else jnp.asarray(
+        prompt_lens, jnp.int32)
+    cache = transformer.init_cache(one_layer, batch, max_len)
+    # The pair (h_{t-1}, x_t) of sequence position t >= 1 lives at head position t - 1, so
+    # every head-cache entry at or below a query's position is written (RoPE makes the
+    # shift invisible to the outputs).
+    positions = jnp.broadcast_to(jnp.arange(length - 1), (batch, length - 1))
+    write = jnp.where(positions + 1 < lens[:, None], positions, max_len)
+    if length > 1:
+      _, _, cache = run(params, transformer.embedding(target_params), prompt_hidden[:, :-1],
+                        prompt[:, 1:], positions, cache, write)
+    tokens, hidden = _pending_from_prompt(prompt_hidden, next_token, lens, K)
+    return DrafterState(cache, tokens, hidden, jnp.ones([batch], jnp.int32), lens)
+
+  def draft(params, target_params, state, key, *, K, temperature=1.0, top_p=1.0):
+    emb = transformer.embedding(target_params)
+    positions, valid = _pending_inputs(state)
+    positions = positions - 1  # head position = sequence position - 1 (see init_state)
+    max_len = state.cache.k.shape[2]
+    feats, logits, cache = run(params, emb, state.hidden, state.tokens, positions,
+                               state.cache, jnp.where(valid, positions, max_len))
+    idx = state.num_pending - 1
+    feat0, logits0 = _pick(feats, idx), _pick(logits, idx)
+    _, _, pos_n = _last_pending(state)
+    keys = jax.random.split(key, K)
+    tok0 = sample_tokens(keys[0], logits0, temperature=temperature, top_p=top_p)
+
+    def step(carry, inp):
+      cache, feat, tok, pos = carry
+      k, = inp
+      f, lg, cache = run(params, emb, feat[:, None], tok[:, None], pos[:, None], cache,
+                         pos[:, None])
+      f, lg = f[:, 0], lg[:, 0]
+      nxt = sample_tokens(k, lg, temperature=temperature, top_p=top_p)
+      return (cache, f, nxt, pos + 1), (lg, nxt)
+
+    (cache, _, _, _), (lgs, toks) = jax.lax.scan(step, (cache, feat0, tok0, pos_n),
+                                                 (keys[1:],))
+    lgs = jnp.concatenate([logits0[:, None], jnp.moveaxis(lgs, 0, 1)], 1)
+    toks = jnp.concatenate([tok0[:, None], jnp.moveaxis(toks, 0, 1)], 1)
+    return DraftOutput(lgs, toks, None, state._replace(cache=cache))
+
+  return Drafter("eagle", MODES["eagle"], init_state, draft, commit)
+
+
+# --------------------------------------------------------------------------------- block
+
+
+def _make_block(cfg: ModelsConfig, kind: str) -> Drafter:
+  module = _block_module(cfg, kind)
+
+  def init_state(params, target_params, *, prompt, prompt_hidden, next_token, K, max_len,
+                 prompt_lens=None):
+    del params, target_params, max_len
+    prompt, prompt_hidden = jnp.asarray(prompt), jnp.asarray(prompt_hidden)
+    next_token = jnp.asarray(next_token, jnp.int32)
+    _check_init(prompt, prompt_hidden, next_token)
+    batch, length = prompt.shape
+    lens = jnp.full([batch], length, jnp.int32) if prompt_lens is None else jnp.asarray(
+        prompt_lens, jnp.int32)
+    tokens, hidden = _pending_from_prompt(prompt_hidden, next_token, lens, K)
+    return DrafterState(None, tokens, hidden, jnp.ones([batch], jnp.int32), lens)
+
+  def draft(params, target_params, state, key, *, K, temperature=1.0, top_p=1.0):
+    if K > cfg.block.block_size:
+      raise ValueError(f"K={K} exceeds the block drafter's block_size {cfg.block.block_size}")
+    tok, hid, _ = _last_pending(state)
+    _, logits, conf = module.apply({"params": params}, transformer.embedding(target_params),
+                                   hid, tok)
+    logits = logits[:, :K]
+    # All K distributions are fixed before any draw: independent draws per position.
+    toks = sample_tokens(key, logits, temperature=temperature, top_p=top_p)
+    return DraftOutput(logits, toks, None if conf is None else conf[:, :K], state)
+
+  return Drafter(kind, MODES[kind], init_state, draft, commit)
+
+
+@functools.lru_cache(maxsize=64)
+def make_drafter(kind: str, cfg: ModelsConfig) -> Drafter:
+  """The `Drafter` of `kind` for model set `cfg` (functions close over the config only).
+
+  Cached: equal `(kind, cfg)` give the same object, so jitted callers taking the drafter
+  as a static argument do not recompile.
+
+  Example:
+    >>> d = make_drafter("eagle", cfg)
+    >>> draft = jax.jit(d.draft, static_argnames="K")
+  """
+  if kind == "draft_lm":
+    return _make_draft_lm(cfg)
+  if kind == "eagle":
+    return _make_eagle(cfg)
+  if kind in ("block", "block_head"):
+    return _make_block(cfg, kind)
+  raise KeyError(f"unknown drafter kind {kind!r}; known: {KINDS}")

@@ -1,0 +1,144 @@
+"""Transformer building blocks shared by the target and every drafter.
+
+Attention runs in one of four modes, chosen statically:
+
+* `causal`: no cache; `x [B,S,D]`, token s attends to tokens of the same row with
+  position <= its own (training and the uncached reference).
+* `dense`: KV cache `[B,M,H,Dh]`; `x [B,S,D]` writes its K/V at `[b, position]` and then
+  attends to cache entries of row b with position <= its own.
+* `packed`: KV cache `[B,M,H,Dh]`; `x [T,D]` with `slot [T]`: token t writes its K/V at
+  `[slot_t, position_t]` and attends to its slot's entries with position <= its own. Since
+  all writes happen before the attention reads, earlier packed tokens of the same slot are
+  seen exactly like cached ones.
+* `bidirectional`: no cache, no mask (the block drafter's K query slots).
+
+Writes at position >= M are dropped: callers mark invalid (padding) tokens by writing at
+position M. Entries of a slot above the current position are never read, so stale K/V
+left by rejected drafts needs no clearing; they are overwritten when that position is
+written again.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+_MASKED = -1e30  # finite, so a row with every entry masked gives a uniform, not NaN, softmax
+
+
+class LayerKV(NamedTuple):
+  """KV cache of one attention layer."""
+  k: jax.Array  # [B, M, H, Dh] keys (RoPE applied)
+  v: jax.Array  # [B, M, H, Dh] values
+
+
+def rope(x: jax.Array, positions: jax.Array, *, theta: float) -> jax.Array:
+  """Rotary position embedding (Su et al. 2021), rotate-half form.
+
+  Args:
+    x: `[..., H, Dh]` queries or keys.
+    positions: `[...]` integer positions.
+    theta: base frequency.
+
+  Returns:
+    `[..., H, Dh]` rotated `x`.
+  """
+  half = x.shape[-1] // 2
+  freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+  angle = positions.astype(jnp.float32)[..., None, None] * freq  # [..., 1, Dh/2]
+  sin, cos = jnp.sin(angle), jnp.cos(angle)
+  x1, x2 = x[..., :half], x[..., half:]
+  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+class RMSNorm(nn.Module):
+  """RMSNorm with a zero-initialised (1 + scale) gain."""
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    scale = self.param("scale", nn.initializers.zeros, (x.shape[-1],))
+    var = jnp.mean(jnp.square(x), axis=-1, keepdims=True)
+    return x * jax.lax.rsqrt(var + 1e-6) * (1.0 + scale)
+
+
+class GatedMLP(nn.Module):
+  """SwiGLU MLP: `down(silu(gate(x)) * up(x))`."""
+  mlp_dim: int
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    d = x.shape[-1]
+    gate = nn.Dense(self.mlp_dim, use_bias=False, name="gate")(x)
+    up = nn.Dense(self.mlp_dim, use_bias=False, name="up")(x)
+    return nn.Dense(d, use_bias=False, name="down")(nn.silu(gate) * up)
+
+
+def _attend(q, k, v, mask):
+  """softmax(q k^T / sqrt(Dh)) v with a boolean mask; einsum letters: h heads, d head dim."""
+  scores = jnp.einsum("...qhd,...khd->...hqk", q, k) / jnp.sqrt(q.shape[-1]).astype(q.dtype)
+  scores = jnp.where(mask[..., None, :, :], scores, _MASKED)
+  weights = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(v.dtype)
+  return jnp.einsum("...hqk,...khd->...qhd", weights, v)
+
+
+class Attention(nn.Module):
+  """Multi-head attention with RoPE and an optional explicit KV cache (see module doc)."""
+  num_heads: int
+  head_dim: int
+  rope_theta: float
+  mode: str  # "causal" | "dense" | "packed" | "bidirectional"
+
+  @nn.compact
+  def __call__(self, x, positions, cache: LayerKV | None = None, slot=None,
+               write_positions=None):
+    dense = lambda name: nn.DenseGeneral((self.num_heads, self.head_dim), use_bias=False,
+                                         name=name)
+    q, k, v = dense("q")(x), dense("k")(x), dense("v")(x)
+    if self.mode != "bidirectional":
+      q = rope(q, positions, theta=self.rope_theta)
+      k = rope(k, positions, theta=self.rope_theta)
+    new_cache = None
+    if self.mode == "causal":
+      mask = positions[..., None, :] <= positions[..., :, None]  # [B, S, S]
+      out = _attend(q, k, v, mask)
+    elif self.mode == "bidirectional":
+      mask = jnp.ones(x.shape[:-1] + x.shape[-2:-1], bool)
+      out = _attend(q, k, v, mask)
+    elif self.mode == "dense":
+      batch, max_len = cache.k.shape[0], cache.k.shape[1]
+      rows = jnp.arange(batch)[:, None]
+      new_cache = LayerKV(cache.k.at[rows, write_positions].set(k, mode="drop"),
+                          cache.v.at[rows, write_positions].set(v, mode="drop"))
+      mask = jnp.arange(max_len)[None, None, :] <= positions[:, :, None]  # [B, S, M]
+      out = _attend(q, new_cache.k, new_cache.v, mask)
+    elif self.mode == "packed":
+      max_len = cache.k.shape[1]
+      new_cache = LayerKV(cache.k.at[slot, write_positions].set(k, mode="drop"),
+                          cache.v.at[slot, write_positions].set(v, mode="drop"))
+      keys, values = new_cache.k[slot], new_cache.v[slot]  # [T, M, H, Dh]
+      mask = jnp.arange(max_len)[None, None, :] <= positions[:, None, None]  # [T, 1, M]
+      out = _attend(q[:, None], keys, values, mask)[:, 0]
+    else:
+      raise ValueError(f"unknown attention mode {self.mode!r}")
+    out = nn.DenseGeneral(x.shape[-1], axis=(-2, -1), use_bias=False, name="o")(out)
+    return out, new_cache
+
+
+class Block(nn.Module):
+  """Pre-norm transformer block: attention then gated MLP, both residual."""
+  num_heads: int
+  head_dim: int
+  mlp_dim: int
+  rope_theta: float
+  mode: str
+
+  @nn.compact
+  def __call__(self, x, positions, cache=None, slot=None, write_positions=None):
+    attn = Attention(self.num_heads, self.head_dim, self.rope_theta, self.mode, name="attn")
+    h, new_cache = attn(RMSNorm(name="attn_norm")(x), positions, cache, slot, write_positions)
+    x = x + h
+    x = x + GatedMLP(self.mlp_dim, name="mlp")(RMSNorm(name="mlp_norm")(x))
+    return x, new_cache

@@ -1,0 +1,162 @@
+"""The full, seeded training pipeline of a model set: tokenizer, target, drafters, head."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from av_jax.data import workloads
+from av_jax.data.tokenizer import train_tokenizer
+from av_jax.models import checkpoint, evaluate, train, transformer
+from av_jax.models.config import ModelsConfig, config_hash, to_dict
+from av_jax.models.drafters import init_drafter_params, make_drafter
+
+
+def _tokenizer_texts(cfg: ModelsConfig):
+  for name in workloads.list_workloads():
+    used = 0
+    for doc in workloads.documents(name, "train", config=cfg.data):
+      if used >= cfg.tokenizer_chars:
+        break
+      yield doc.text
+      used += len(doc.text)
+
+
+def num_params(params) -> int:
+  return int(sum(np.size(x) for x in jax.tree.leaves(params)))
+
+
+def heldout_windows(cfg: ModelsConfig, tokenizer, name: str) -> np.ndarray:
+  """The fixed held-out windows `[N, S+1]` of workload `name` the held-out loss is taken on."""
+  stream = workloads.token_stream(name, "heldout", tokenizer=tokenizer, config=cfg.data)
+  rng = np.random.default_rng([cfg.seed, 7, workloads.list_workloads().index(name)])
+  return workloads.sample_windows(stream, rng, num=cfg.measure.eval_windows,
+                                  length=cfg.train_target.seq_len + 1)
+
+
+def heldout_losses(params, cfg: ModelsConfig, tokenizer) -> dict[str, float]:
+  return {n: evaluate.heldout_loss(params, heldout_windows(cfg, tokenizer, n), cfg=cfg.target,
+                                   batch=min(16, cfg.measure.eval_windows))
+          for n in workloads.list_workloads()}
+
+
+def collect_head_labels(cfg: ModelsConfig, tokenizer, target_params, block_params, *,
+                        split: str, seed: int):
+  """Runs verification with the block drafter (T=1, top-p from `measure`) to get labels."""
+  hc = cfg.train_head
+  drafter = make_drafter("block", cfg)
+  out = {"hidden": [], "token": [], "labels": [], "mask": []}
+  for i, name in enumerate(workloads.list_workloads()):
+    prompts = workloads.prompts(name, tokenizer=tokenizer, num=hc.num_prompts,
+                                length=hc.prompt_len, seed=seed, split=split,
+                                config=cfg.data)
+    rec = evaluate.rollout(target_params, block_params, jnp.asarray(prompts),
+                           jax.random.key(seed * 100 + i), cfg=cfg, drafter=drafter,
+                           K=cfg.block.block_size, steps=hc.steps, temperature=1.0,
+                           top_p=cfg.measure.top_p)
+    d = rec.ctx_hidden.shape[-1]
+    out["hidden"].append(np.asarray(rec.ctx_hidden).reshape(-1, d))
+    out["token"].append(np.asarray(rec.ctx_token).reshape(-1))
+    out["labels"].append(np.asarray(rec.accepted).reshape(-1, cfg.block.block_size))
+    out["mask"].append(np.asarray(rec.labeled).reshape(-1, cfg.block.block_size))
+  return {k: np.concatenate(v) for k, v in out.items()}
+
+
+def train_all(cfg: ModelsConfig, out_dir: str, *, progress: bool = True,
+              log=print) -> dict[str, Any]:
+  """Trains every model of `cfg` and writes tokenizer, checkpoints and a summary to `out_dir`.
+
+  Returns:
+    The summary (also written to `{out_dir}/{cfg.name}_summary.json`).
+  """
+  os.makedirs(out_dir, exist_ok=True)
+  t_start = time.time()
+  timings = {}
+
+  t0 = time.time()
+  tokenizer = train_tokenizer(_tokenizer_texts(cfg), vocab_size=cfg.tokenizer_vocab)
+  if tokenizer.vocab_size != cfg.target.vocab_size:
+    raise ValueError(f"tokenizer learnt {tokenizer.vocab_size} tokens, config says "
+                     f"{cfg.target.vocab_size}; lower tokenizer_vocab or add text")
+  tok_json = tokenizer.to_json()
+  with open(os.path.join(out_dir, f"tokenizer_{cfg.name}.json"), "w", encoding="utf-8") as f:
+    f.write(tok_json)
+  streams = {n: workloads.token_stream(n, "train", tokenizer=tokenizer, config=cfg.data)
+             for n in workloads.list_workloads()}
+  timings["tokenizer_and_data_s"] = time.time() - t0
+  log(f"tokenizer: {tokenizer.vocab_size} tokens; train tokens per workload: "
+      f"{ {n: len(s) for n, s in streams.items()} }")
+
+  def batches(tc, salt):
+    return lambda i: jnp.asarray(workloads.mixed_batch(
+        streams, np.random.default_rng([cfg.seed, salt, i]), batch=tc.batch,
+        length=tc.seq_len + 1))
+
+  # Target.
+  t0 = time.time()
+  key = jax.random.key(cfg.seed)
+  k_target, k_drafters, k_head = jax.random.split(key, 3)
+  params = transformer.init_params(cfg.target, k_target)
+  params, target_hist = train.fit(
+      lambda p, b: train.target_loss(p, b, cfg=cfg), params, cfg.train_target,
+      batches(cfg.train_target, 1), desc="target", disable_bar=not progress)
+  target_params = jax.tree.map(jnp.asarray, checkpoint.round_params(params))
+  timings["target_s"] = time.time() - t0
+  losses = heldout_losses(target_params, cfg, tokenizer)
+  log(f"target held-out loss: { {k: round(v, 4) for k, v in losses.items()} }")
+  tok_hash = checkpoint.tokenizer_hash(tok_json)
+
+  def save_part(part, p):
+    meta = {"config": to_dict(cfg), "config_hash": config_hash(cfg, part),
+            "tokenizer_hash": tok_hash, "part": part}
+    if part == "target":
+      meta["heldout_loss"] = losses
+    return checkpoint.save(checkpoint.path_of(out_dir, cfg.name, part), p, meta)
+
+  save_part("target", target_params)  # early, so a later failure keeps the target
+
+  # Drafters, distilled jointly (one teacher forward per batch).
+  t0 = time.time()
+  keys = jax.random.split(k_drafters, 3)
+  dparams = {kind: init_drafter_params(kind, cfg, k)
+             for kind, k in zip(("draft_lm", "eagle", "block"), keys)}
+  dparams, drafter_hist = train.fit(
+      lambda p, b: train.drafter_losses(p, target_params, b, cfg=cfg), dparams,
+      cfg.train_drafters, batches(cfg.train_drafters, 2), desc="drafters",
+      disable_bar=not progress)
+  dparams = jax.tree.map(jnp.asarray, checkpoint.round_params(dparams))
+  timings["drafters_s"] = time.time() - t0
+
+  # Confidence head on labels from verification of train-split prompts.
+  t0 = time.time()
+  labels = collect_head_labels(cfg, tokenizer, target_params, dparams["block"], split="train",
+                               seed=cfg.seed)
+  head_params = train.fit_confidence_head(
+      dparams["block"], target_params, labels["hidden"], labels["token"], labels["labels"],
+      labels["mask"], cfg=cfg, steps=cfg.train_head.train_steps, lr=cfg.train_head.lr,
+      batch=cfg.train_head.batch, seed=cfg.seed)
+  dparams["block_head"] = jax.tree.map(jnp.asarray, checkpoint.round_params(head_params))
+  timings["head_s"] = time.time() - t0
+
+  # Save.
+  sizes, counts = {}, {}
+  for part, p in [("target", target_params)] + list(dparams.items()):
+    sizes[part] = save_part(part, p)
+    counts[part] = num_params(p)
+  timings["total_s"] = time.time() - t_start
+  summary = {
+      "name": cfg.name, "heldout_loss": losses, "num_params": counts, "bytes": sizes,
+      "total_bytes": int(sum(sizes.values()) + len(tok_json.encode())),
+      "timings": timings, "head_labels": int(labels["mask"].sum()),
+      "final_train_loss": {"target": target_hist[-1][1], "drafters": drafter_hist[-1][1]},
+      "jax_backend": jax.default_backend(), "cpu_count": os.cpu_count(),
+  }
+  import json  # pylint: disable=g-import-not-at-top
+  with open(os.path.join(out_dir, f"{cfg.name}_summary.json"), "w", encoding="utf-8") as f:
+    json.dump(summary, f, indent=2, sort_keys=True)
+  return summary

@@ -1,0 +1,35 @@
+"""Drawing tokens from the distribution a sampler actually uses (temperature, then top-p)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from av_jax.features import sampling_log_probs
+
+
+def sampling_probs(logits: jax.typing.ArrayLike, *, temperature: jax.typing.ArrayLike,
+                   top_p: jax.typing.ArrayLike) -> jax.Array:
+  """`[..., V]` probabilities tokens are drawn from; temperature <= 0 is a greedy point mass.
+
+  The greedy point mass is the one-hot arg-max (what verification must use as q or p);
+  features for greedy drafting come from `av_jax.features.sampling_log_probs` instead.
+  """
+  logits = jnp.asarray(logits, jnp.float32)
+  temperature = jnp.asarray(temperature, jnp.float32)
+  probs = jnp.exp(sampling_log_probs(logits, temperature=temperature, top_p=top_p))
+  greedy = jax.nn.one_hot(jnp.argmax(logits, -1), logits.shape[-1], dtype=probs.dtype)
+  return jnp.where((temperature <= 0)[..., None], greedy, probs)
+
+
+def sample_tokens(key: jax.Array, logits: jax.typing.ArrayLike, *,
+                  temperature: jax.typing.ArrayLike, top_p: jax.typing.ArrayLike) -> jax.Array:
+  """Draws `[...]` int32 tokens from `logits [..., V]`: temperature, then top-p; greedy if T <= 0.
+
+  `temperature` and `top_p` are scalars or `[...]` arrays (traced, no recompile).
+  """
+  logits = jnp.asarray(logits, jnp.float32)
+  temperature = jnp.asarray(temperature, jnp.float32)
+  log_probs = sampling_log_probs(logits, temperature=temperature, top_p=top_p)
+  drawn = jax.random.categorical(key, log_probs, axis=-1)
+  return jnp.where(temperature <= 0, jnp.argmax(logits, -1), drawn).astype(jnp.int32)

@@ -1,0 +1,173 @@
+"""The decoder-only transformer used as target and as the independent draft LM.
+
+RoPE, RMSNorm, SwiGLU MLP, tied input/output embedding, explicit KV cache. All entry
+points are pure functions of `(params, ...)` with the config static, so they run under
+`jax.jit` / `lax.scan` without closing over parameters.
+
+Example:
+  >>> cfg = TransformerConfig(vocab_size=64, d_model=32, num_layers=2, num_heads=2,
+  ...                         head_dim=16, mlp_dim=64)
+  >>> params = init_params(cfg, jax.random.key(0))
+  >>> cache = init_cache(cfg, batch=2, max_len=16)
+  >>> out = forward(params, tokens, positions, cache, cfg=cfg)  # logits [2, S, 64]
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from av_jax import _checks
+from av_jax.models.config import TransformerConfig
+from av_jax.models.layers import Block, LayerKV, RMSNorm
+
+
+class KVCache(NamedTuple):
+  """Per-slot KV cache of all layers."""
+  k: jax.Array  # [L, B, M, H, Dh] keys, RoPE applied, entry m holds position m
+  v: jax.Array  # [L, B, M, H, Dh] values
+
+
+class ForwardOutput(NamedTuple):
+  """Output of a forward pass (dense: leading `[B, S]`; packed: leading `[T]`)."""
+  logits: jax.Array        # [B, S, V] / [T, V] float32 next-token logits
+  hidden: jax.Array        # [B, S, D] / [T, D] final hidden state (after the final norm)
+  cache: KVCache | None    # updated cache, None when run without one
+
+
+def embed_init(d_model: int):
+  # Unit-RMS inputs after the sqrt(D) scale, unit-scale logits from unit-RMS hidden states.
+  return nn.initializers.normal(stddev=1.0 / math.sqrt(d_model))
+
+
+class Transformer(nn.Module):
+  """Decoder-only transformer; `mode` is the attention mode (see `layers`)."""
+  cfg: TransformerConfig
+  mode: str = "causal"
+
+  @nn.compact
+  def __call__(self, tokens, positions, cache: KVCache | None = None, slot=None,
+               write_positions=None):
+    cfg = self.cfg
+    embed = nn.Embed(cfg.vocab_size, cfg.d_model, embedding_init=embed_init(cfg.d_model),
+                     name="embed")
+    x = embed(tokens) * math.sqrt(cfg.d_model)
+    ks, vs = [], []
+    for i in range(cfg.num_layers):
+      layer_cache = None if cache is None else LayerKV(cache.k[i], cache.v[i])
+      x, new_layer = Block(cfg.num_heads, cfg.head_dim, cfg.mlp_dim, cfg.rope_theta,
+                           self.mode, name=f"layer_{i}")(x, positions, layer_cache, slot,
+                                                         write_positions)
+      if new_layer is not None:
+        ks.append(new_layer.k)
+        vs.append(new_layer.v)
+    hidden = RMSNorm(name="final_norm")(x)
+    logits = embed.attend(hidden)
+    new_cache = KVCache(jnp.stack(ks), jnp.stack(vs)) if ks else None
+    return ForwardOutput(logits, hidden, new_cache)
+
+
+def init_params(cfg: TransformerConfig, key: jax.Array):
+  """Random parameters (a pytree of float32 arrays)."""
+  tokens = jnp.zeros([1, 4], jnp.int32)
+  return Transformer(cfg).init(key, tokens, jnp.arange(4)[None])["params"]
+
+
+def init_cache(cfg: TransformerConfig, batch: int, max_len: int,
+               dtype=jnp.float32) -> KVCache:
+  """An all-zero cache for `batch` slots of `max_len` positions."""
+  shape = (cfg.num_layers, batch, max_len, cfg.num_heads, cfg.head_dim)
+  return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+
+
+def embedding(params) -> jax.Array:
+  """`[V, D]` tied embedding / output matrix (the drafters share the target's)."""
+  return params["embed"]["embedding"]
+
+
+def forward(params, tokens: jax.typing.ArrayLike, positions: jax.typing.ArrayLike,
+            cache: KVCache | None = None, *, cfg: TransformerConfig,
+            valid: jax.typing.ArrayLike | None = None) -> ForwardOutput:
+  """Dense forward of a block of tokens per slot.
+
+  Without a cache this is causal self-attention within each row (training, reference).
+  With a cache, token `[b, s]` writes its K/V at `cache[:, b, positions[b, s]]` and
+  attends to slot b's entries at positions <= `positions[b, s]` (the prefix already in the
+  cache plus earlier tokens of this block).
+
+  Args:
+    params: transformer parameters.
+    tokens: `[B, S]` int token ids.
+    positions: `[B, S]` int positions (need not start at 0 or be equal across rows).
+    cache: optional `KVCache` with leading `[L, B, M]`.
+    cfg: the model config (static).
+    valid: optional `[B, S]` bool; invalid tokens write nothing (their outputs are junk).
+
+  Returns:
+    `ForwardOutput(logits [B,S,V], hidden [B,S,D], cache)`.
+  """
+  tokens = jnp.asarray(tokens)
+  positions = jnp.asarray(positions, jnp.int32)
+  _checks.rank("tokens", tokens, 2, "BS")
+  _checks.shape("positions", positions, tokens.shape, "BS")
+  _checks.integer("tokens", tokens)
+  if cache is None:
+    return Transformer(cfg, "causal").apply({"params": params}, tokens, positions)
+  _checks.shape("cache.k", cache.k, (cfg.num_layers, tokens.shape[0], None, cfg.num_heads,
+                                     cfg.head_dim), "LBMHD")
+  write = positions
+  if valid is not None:
+    write = jnp.where(jnp.asarray(valid), positions, cache.k.shape[2])
+  return Transformer(cfg, "dense").apply({"params": params}, tokens, positions, cache, None,
+                                         write)
+
+
+def forward_packed(params, tokens: jax.typing.ArrayLike, *, slot: jax.typing.ArrayLike,
+                   positions: jax.typing.ArrayLike, valid: jax.typing.ArrayLike,
+                   cache: KVCache, cfg: TransformerConfig) -> ForwardOutput:
+  """Packed (ragged) forward for verification: T tokens from any slots, one program.
+
+  Token t belongs to slot `slot[t]` at position `positions[t]`. It writes its K/V into
+  that slot's cache at that position and attends to the slot's cache up to its position,
+  which includes earlier packed tokens of the same slot. The dense layers run on the T
+  packed tokens only. Padding entries have `valid[t] = False`: they write nothing and their
+  outputs are junk. Pad T to a few static sizes to bound recompiles.
+
+  Args:
+    params: transformer parameters.
+    tokens: `[T]` int token ids.
+    slot: `[T]` int slot (cache row) of each token.
+    positions: `[T]` int position of each token within its slot.
+    valid: `[T]` bool, False for padding.
+    cache: `KVCache` with leading `[L, B, M]`.
+    cfg: the model config (static).
+
+  Returns:
+    `ForwardOutput(logits [T,V], hidden [T,D], cache)`.
+  """
+  tokens = jnp.asarray(tokens)
+  slot = jnp.asarray(slot, jnp.int32)
+  positions = jnp.asarray(positions, jnp.int32)
+  valid = jnp.asarray(valid)
+  _checks.rank("tokens", tokens, 1, "T")
+  for name, x in (("slot", slot), ("positions", positions), ("valid", valid)):
+    _checks.shape(name, x, tokens.shape, "T")
+  _checks.boolean("valid", valid)
+  write = jnp.where(valid, positions, cache.k.shape[2])
+  return Transformer(cfg, "packed").apply({"params": params}, tokens, positions, cache, slot,
+                                          write)
+
+
+def lm_loss(params, tokens: jax.Array, *, cfg: TransformerConfig,
+            mask: jax.Array | None = None) -> jax.Array:
+  """Mean next-token cross-entropy (nats/token) of `tokens [B, S]` without a cache."""
+  positions = jnp.broadcast_to(jnp.arange(tokens.shape[1] - 1), tokens[:, :-1].shape)
+  logits = forward(params, tokens[:, :-1], positions, cfg=cfg).logits
+  nll = -jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], -1)[..., 0]
+  if mask is None:
+    return jnp.mean(nll)
+  return jnp.sum(nll * mask) / jnp.maximum(jnp.sum(mask), 1)

@@ -1,0 +1,47 @@
+"""Retrains a model set (tokenizer, target, every drafter) and writes it to av_jax/assets.
+
+Usage:
+  python benchmarks/train_models.py --config default          # ~30-40 min on a 2-core CPU
+  python benchmarks/train_models.py --config tiny --out /tmp/tiny
+
+Seeded: the same config, interpreter (its stdlib is the `code` corpus) and JAX version give
+the same files. Then run `python benchmarks/measure_models.py --config <name>` for MODELS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+
+from av_jax.models import assets_dir, load_config
+from av_jax.models import pipeline
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--config", default="default", help="configs/models/<name>.toml")
+  parser.add_argument("--out", default=None, help="output directory (default: av_jax/assets)")
+  args = parser.parse_args()
+  cfg = load_config(args.config)
+  out = args.out or assets_dir()
+  t0 = time.time()
+  summary = pipeline.train_all(cfg, out, progress=True)
+  wall = time.time() - t0
+  print("\n=== summary ===")
+  print(f"config {cfg.name} -> {out}   wall time {wall / 60:.1f} min on "
+        f"{summary['cpu_count']} CPU cores ({platform.processor() or platform.machine()}, "
+        f"backend {summary['jax_backend']})")
+  print("held-out loss (nats/token): " + ", ".join(
+      f"{k} {v:.3f}" for k, v in summary["heldout_loss"].items()))
+  for part, n in summary["num_params"].items():
+    print(f"  {part:<11} {n / 1e6:6.2f}M params  {summary['bytes'][part] / 1e6:6.2f} MB")
+  print(f"total shipped size {summary['total_bytes'] / 1e6:.2f} MB; "
+        f"confidence-head labels {summary['head_labels']}")
+  print("timings (s): " + json.dumps({k: round(v, 1) for k, v in summary["timings"].items()}))
+
+
+if __name__ == "__main__":
+  main()

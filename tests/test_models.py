@@ -1,0 +1,355 @@
+"""Tests of the target transformer, the four drafters, training and shipped checkpoints."""
+
+import dataclasses
+import json
+import os
+import shutil
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from absl.testing import parameterized
+
+from av_jax import data
+from av_jax import models
+from av_jax.models import checkpoint, drafters, evaluate, pipeline, transformer
+
+CFG = models.load_config("tiny")
+TCFG = CFG.target
+V = TCFG.vocab_size
+
+
+def _params(kind=None, seed=0):
+  key = jax.random.key(seed)
+  if kind is None:
+    return transformer.init_params(TCFG, key)
+  return drafters.init_drafter_params(kind, CFG, key)
+
+
+TARGET = _params()
+
+
+def _tokens(shape, seed=1):
+  return jax.random.randint(jax.random.key(seed), shape, 0, V, jnp.int32)
+
+
+# ----------------------------------------------------------------------------- target
+
+
+class TargetTest(parameterized.TestCase):
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_shapes(self):
+    b, s, m, t = 3, 5, 16, 7
+    fwd = self.variant(lambda p, x, pos, c: transformer.forward(p, x, pos, c, cfg=TCFG))
+    pos = jnp.broadcast_to(jnp.arange(s), (b, s))
+    out = fwd(TARGET, _tokens((b, s)), pos, transformer.init_cache(TCFG, b, m))
+    chex.assert_shape(out.logits, (b, s, V))
+    chex.assert_shape(out.hidden, (b, s, TCFG.d_model))
+    chex.assert_shape(out.cache.k, (TCFG.num_layers, b, m, TCFG.num_heads, TCFG.head_dim))
+    chex.assert_tree_all_finite(out)
+    packed = self.variant(lambda p, x, sl, pos, va, c: transformer.forward_packed(
+        p, x, slot=sl, positions=pos, valid=va, cache=c, cfg=TCFG))
+    out = packed(TARGET, _tokens((t,)), jnp.zeros(t, jnp.int32), jnp.arange(t),
+                 jnp.ones(t, bool), transformer.init_cache(TCFG, b, m))
+    chex.assert_shape(out.logits, (t, V))
+    chex.assert_shape(out.hidden, (t, TCFG.d_model))
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_cached_equals_uncached(self):
+    b, s, m = 2, 12, 20
+    toks = _tokens((b, s))
+    pos = jnp.broadcast_to(jnp.arange(s), (b, s))
+    ref = transformer.forward(TARGET, toks, pos, cfg=TCFG)
+    fwd = self.variant(lambda p, x, q, c: transformer.forward(p, x, q, c, cfg=TCFG))
+    out = fwd(TARGET, toks[:, :5], pos[:, :5], transformer.init_cache(TCFG, b, m))
+    logits, hidden, cache = [out.logits], [out.hidden], out.cache
+    for i in range(5, s):  # then one token at a time
+      out = fwd(TARGET, toks[:, i:i + 1], pos[:, i:i + 1], cache)
+      logits.append(out.logits)
+      hidden.append(out.hidden)
+      cache = out.cache
+    chex.assert_trees_all_close(jnp.concatenate(logits, 1), ref.logits, atol=1e-4)
+    chex.assert_trees_all_close(jnp.concatenate(hidden, 1), ref.hidden, atol=1e-4)
+
+  def test_stale_cache_entries_are_not_read(self):
+    # Writing junk above the current position (a rejected draft) changes nothing.
+    b, m = 2, 16
+    toks = _tokens((b, 6))
+    pos = jnp.broadcast_to(jnp.arange(6), (b, 6))
+    cache = transformer.forward(TARGET, toks[:, :4], pos[:, :4],
+                                transformer.init_cache(TCFG, b, m), cfg=TCFG).cache
+    junk = transformer.forward(TARGET, _tokens((b, 5), 9), 4 + pos[:, :5], cache,
+                               cfg=TCFG).cache
+    a = transformer.forward(TARGET, toks[:, 4:], pos[:, 4:], cache, cfg=TCFG)
+    c = transformer.forward(TARGET, toks[:, 4:], pos[:, 4:], junk, cfg=TCFG)
+    chex.assert_trees_all_close(a.logits, c.logits, atol=1e-5)
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_packed_equals_dense(self):
+    b, m = 3, 24
+    prefix = np.array([4, 7, 2])  # per-slot committed lengths
+    new = np.array([3, 1, 5])     # new tokens per slot
+    full = np.asarray(_tokens((b, 12), 5))
+    # Dense reference: per-slot prefill then the new block, one slot at a time.
+    cache = transformer.init_cache(TCFG, b, m)
+    dense_logits = {}
+    for i in range(b):
+      toks = jnp.asarray(full[i:i + 1, :prefix[i] + new[i]])
+      pos = jnp.arange(toks.shape[1])[None]
+      dense_logits[i] = transformer.forward(TARGET, toks, pos, cfg=TCFG).logits[0, prefix[i]:]
+    # Prefill every slot's prefix (ragged: positions past the prefix are invalid).
+    pos = jnp.broadcast_to(jnp.arange(8), (b, 8))
+    cache = transformer.forward(TARGET, jnp.asarray(full[:, :8]), pos, cache, cfg=TCFG,
+                                valid=pos < prefix[:, None]).cache
+    # Packed: all new tokens of all slots, shuffled, plus padding.
+    entries = [(i, prefix[i] + j) for i in range(b) for j in range(new[i])]
+    order = np.random.default_rng(0).permutation(len(entries))
+    entries = [entries[k] for k in order] + [(0, 0), (2, 1)]  # two padding entries
+    t = len(entries)
+    slot = np.array([e[0] for e in entries], np.int32)
+    position = np.array([e[1] for e in entries], np.int32)
+    valid = np.arange(t) < t - 2
+    tokens = np.where(valid, full[slot, position], 0)
+    packed = self.variant(lambda p, x, sl, q, va, c: transformer.forward_packed(
+        p, x, slot=sl, positions=q, valid=va, cache=c, cfg=TCFG))
+    out = packed(TARGET, tokens, slot, position, valid, cache)
+    for k in range(t - 2):
+      i, p = entries[k]
+      chex.assert_trees_all_close(out.logits[k], dense_logits[i][p - prefix[i]], atol=1e-4)
+    # Padding wrote nothing: slot 0 position 0 still holds the prefix's K.
+    chex.assert_trees_all_close(out.cache.k[:, 0, 0], cache.k[:, 0, 0])
+
+
+# ---------------------------------------------------------------------------- drafters
+
+
+def _drafter_setup(kind, b=3, plen=6, k=4, seed=0):
+  prompt = _tokens((b, plen), seed + 10)
+  pos = jnp.broadcast_to(jnp.arange(plen), prompt.shape)
+  hidden = transformer.forward(TARGET, prompt, pos, cfg=TCFG).hidden
+  d = models.make_drafter(kind, CFG)
+  params = _params(kind, seed + 1)
+  state = d.init_state(params, TARGET, prompt=prompt, prompt_hidden=hidden,
+                       next_token=_tokens((b,), seed + 11), K=k, max_len=32)
+  return d, params, state
+
+
+@pytest.mark.parametrize("kind", models.KINDS)
+def test_drafter_output_shapes(kind):
+  b, k = 3, 4
+  d, params, state = _drafter_setup(kind, b=b, k=k)
+  assert d.kind == kind and d.mode == models.MODES[kind]
+  draft = jax.jit(d.draft, static_argnames="K")
+  out = draft(params, TARGET, state, jax.random.key(0), K=k, temperature=1.0, top_p=0.95)
+  chex.assert_shape(out.logits, (b, k, V))
+  chex.assert_shape(out.tokens, (b, k))
+  assert out.tokens.dtype == jnp.int32
+  if kind == "block_head":
+    chex.assert_shape(out.conf_logits, (b, k))
+  else:
+    assert out.conf_logits is None
+  chex.assert_tree_all_finite(out.logits)
+  chex.assert_trees_all_equal_structs(out.state, state)
+  new = d.commit(out.state, emitted_tokens=jnp.full((b, k + 1), -1).at[:, :2].set(1),
+                 num_emitted=jnp.full((b,), 2),
+                 target_hidden=jnp.zeros((b, k + 1, TCFG.d_model)))
+  np.testing.assert_array_equal(new.position, state.position + 1)
+  np.testing.assert_array_equal(new.num_pending, 2)
+
+
+def test_modes():
+  assert models.MODES == {"draft_lm": "autoregressive", "eagle": "autoregressive",
+                          "block": "parallel", "block_head": "parallel"}
+
+
+@pytest.mark.parametrize("kind", ["block", "block_head"])
+def test_block_distributions_do_not_depend_on_draws(kind):
+  d, params, state = _drafter_setup(kind, k=8)
+  draft = jax.jit(d.draft, static_argnames="K")
+  outs = [draft(params, TARGET, state, jax.random.key(s), K=8, temperature=1.0, top_p=1.0)
+          for s in range(4)]
+  assert any(not np.array_equal(outs[0].tokens, o.tokens) for o in outs[1:])
+  for o in outs[1:]:
+    chex.assert_trees_all_equal(o.logits, outs[0].logits)
+    chex.assert_trees_all_equal(o.conf_logits, outs[0].conf_logits)
+  # A shorter K gives the same first positions.
+  short = draft(params, TARGET, state, jax.random.key(0), K=3, temperature=1.0, top_p=1.0)
+  chex.assert_trees_all_close(short.logits, outs[0].logits[:, :3])
+
+
+def test_autoregressive_draft_depends_on_draws():
+  d, params, state = _drafter_setup("draft_lm", k=6)
+  a = d.draft(params, TARGET, state, jax.random.key(0), K=6, temperature=1.0, top_p=1.0)
+  b = d.draft(params, TARGET, state, jax.random.key(1), K=6, temperature=1.0, top_p=1.0)
+  assert not np.array_equal(a.tokens, b.tokens)
+  chex.assert_trees_all_close(a.logits[:, 0], b.logits[:, 0])  # position 1 is fixed
+
+
+def _committed(prompt, rec, step):
+  """Committed sequences (list per slot) at the start of `step` of a rollout."""
+  seqs = [list(map(int, p)) for p in prompt]
+  for b in range(len(seqs)):
+    seqs[b].append(int(rec.ctx_token[0, b]))
+    for s in range(step):
+      seqs[b] += [int(x) for x in rec.emitted[s, b] if x >= 0]
+  return seqs
+
+
+def _eagle_reference(params, seq, drafted):
+  """Uncached EAGLE logits for the K drafts after committed `seq`, recomputed from scratch."""
+  head = drafters._eagle_module(CFG, "causal")  # pylint: disable=protected-access
+  emb = transformer.embedding(TARGET)
+  n = len(seq) - 1
+  x = jnp.asarray(seq)[None]
+  h = transformer.forward(TARGET, x[:, :n], jnp.arange(n)[None], cfg=TCFG).hidden
+  feats_in, toks, out = h[0], list(seq[1:]), []
+  for j in range(len(drafted)):
+    m = len(toks)
+    f, lg, _ = head.apply({"params": params}, emb, feats_in[None], jnp.asarray(toks)[None],
+                          jnp.arange(1, m + 1)[None])
+    out.append(lg[0, -1])
+    feats_in = jnp.concatenate([feats_in, f[0, -1:]], 0)
+    toks.append(int(drafted[j]))
+  return jnp.stack(out)
+
+
+# Every rollout in this file uses these shapes, so each drafter kind compiles once.
+ROLL_B, ROLL_P, ROLL_K, ROLL_STEPS = 8, 16, 4, 3
+
+
+def _rollout(kind, params, prompt, key, temperature, top_p=1.0):
+  return evaluate.rollout(TARGET if params is None else params[0],
+                          _params(kind, 5) if params is None else params[1], prompt, key,
+                          cfg=CFG, drafter=models.make_drafter(kind, CFG), K=ROLL_K,
+                          steps=ROLL_STEPS, temperature=temperature, top_p=top_p)
+
+
+@pytest.mark.parametrize("kind", ["draft_lm", "eagle"])
+def test_autoregressive_cached_equals_uncached_across_steps(kind):
+  """Draft logits of a multi-step rollout (with commits) equal from-scratch recomputation."""
+  params = _params(kind, 5)
+  prompt = _tokens((ROLL_B, ROLL_P), 21)
+  rec = _rollout(kind, None, prompt, jax.random.key(4), 1.0)
+  assert int(np.asarray(rec.num_emitted).max()) > 1  # multi-token commits happen
+  for s in range(ROLL_STEPS):
+    seqs = _committed(np.asarray(prompt), rec, s)
+    for i in range(2):
+      drafted = [int(x) for x in rec.draft_tokens[s, i]]
+      if kind == "draft_lm":
+        full = jnp.asarray(seqs[i] + drafted[:-1])[None]
+        ref = transformer.forward(params, full, jnp.arange(full.shape[1])[None],
+                                  cfg=CFG.draft_lm).logits[0, len(seqs[i]) - 1:]
+      else:
+        ref = _eagle_reference(params, seqs[i], drafted)
+      chex.assert_trees_all_close(rec.draft_logits[s, i], ref, atol=2e-4)
+
+
+@pytest.mark.parametrize("kind", models.KINDS)
+def test_greedy_speculative_equals_greedy_target(kind):
+  prompt = _tokens((ROLL_B, ROLL_P), 31)
+  rec = _rollout(kind, None, prompt, jax.random.key(0), 0.0)
+  spec = _committed(np.asarray(prompt), rec, ROLL_STEPS)
+  n = min(len(s) for s in spec)
+  seq = prompt
+  while seq.shape[1] < n:  # uncached greedy decoding of the target
+    logits = transformer.forward(TARGET, seq, jnp.broadcast_to(jnp.arange(seq.shape[1]),
+                                                               seq.shape), cfg=TCFG).logits
+    seq = jnp.concatenate([seq, jnp.argmax(logits[:, -1:], -1).astype(jnp.int32)], 1)
+  np.testing.assert_array_equal(np.array([s[:n] for s in spec]), np.asarray(seq))
+
+
+def test_sampling():
+  logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]]))
+  probs = models.sampling_probs(logits, temperature=1.0, top_p=0.7)
+  chex.assert_trees_all_close(probs, jnp.array([[0.625, 0.375, 0.0, 0.0]]), atol=1e-6)
+  greedy = models.sampling_probs(logits, temperature=0.0, top_p=1.0)
+  chex.assert_trees_all_equal(greedy, jnp.array([[1.0, 0.0, 0.0, 0.0]]))
+  draws = models.sample_tokens(jax.random.key(0), jnp.broadcast_to(logits, (4000, 4)),
+                               temperature=1.0, top_p=0.7)
+  freq = np.bincount(np.asarray(draws), minlength=4) / 4000
+  assert abs(freq[0] - 0.625) < 5 * np.sqrt(0.625 * 0.375 / 4000) and freq[2:].sum() == 0
+
+
+def test_auc_matches_pairwise_count():
+  rng = np.random.default_rng(0)
+  scores = np.round(rng.normal(size=300), 1)  # with ties
+  labels = rng.random(300) < 1 / (1 + np.exp(-2 * scores))
+  pos, neg = scores[labels], scores[~labels]
+  brute = np.mean((pos[:, None] > neg[None]) + 0.5 * (pos[:, None] == neg[None]))
+  assert abs(evaluate.auc(scores, labels) - brute) < 1e-12
+
+
+# --------------------------------------------------------------- training and shipping
+
+
+@pytest.fixture(scope="module")
+def tiny_trained(tmp_path_factory):
+  out = str(tmp_path_factory.mktemp("tiny"))
+  summary = pipeline.train_all(CFG, out, progress=False, log=lambda *_: None)
+  return out, summary
+
+
+def test_tiny_trains_end_to_end(tiny_trained):
+  out, summary = tiny_trained
+  for part in ("target",) + models.KINDS:
+    assert os.path.exists(checkpoint.path_of(out, "tiny", part))
+  uniform = np.log(V)
+  for name, loss in summary["heldout_loss"].items():
+    assert loss < uniform - 0.3, (name, loss)  # learnt something on every workload
+  assert summary["head_labels"] > 0
+
+
+@pytest.mark.parametrize("kind", models.KINDS)
+def test_load_tiny_and_draft(tiny_trained, kind):
+  out, _ = tiny_trained
+  pair = models.load("tiny", drafter=kind, directory=out)
+  assert pair.drafter.kind == kind
+  assert pair.cfg == CFG
+  prompts = data.prompts("math", tokenizer=pair.tokenizer, num=ROLL_B, length=ROLL_P, seed=0,
+                         config=pair.cfg.data)
+  rec = _rollout(kind, (pair.target_params, pair.drafter_params), jnp.asarray(prompts),
+                 jax.random.key(0), 1.0, 0.95)
+  stats = evaluate.acceptance_stats(rec)
+  assert 1.0 <= stats["mean_emitted"] <= ROLL_K + 1
+
+
+def test_checkpoint_hash_guard(tiny_trained, tmp_path):
+  out, _ = tiny_trained
+  for f in os.listdir(out):
+    shutil.copy(os.path.join(out, f), tmp_path)
+  # A checkpoint written under another config is refused.
+  other = dataclasses.replace(CFG, seed=CFG.seed + 1)
+  params = checkpoint.read(checkpoint.path_of(out, "tiny", "eagle")).params
+  checkpoint.save(checkpoint.path_of(str(tmp_path), "tiny", "eagle"), params,
+                  {"config": dataclasses.asdict(other),
+                   "config_hash": models.config_hash(other, "eagle"),
+                   "tokenizer_hash": "x", "part": "eagle"})
+  models.load("tiny", drafter="draft_lm", directory=str(tmp_path))  # others still load
+  with pytest.raises(ValueError, match="config hash"):
+    models.load("tiny", drafter="eagle", directory=str(tmp_path))
+  # A different tokenizer is refused.
+  with open(os.path.join(tmp_path, "tokenizer_tiny.json"), "a", encoding="utf-8") as f:
+    f.write(" ")
+  with pytest.raises(ValueError, match="tokenizer"):
+    models.load("tiny", directory=str(tmp_path))
+
+
+def test_shipped_default_loads_and_reproduces_heldout_loss():
+  pair = models.load("default", drafter="block_head")
+  recorded = checkpoint.read(checkpoint.path_of(models.assets_dir(), "default", "target")
+                             ).meta["heldout_loss"]
+  windows = pipeline.heldout_windows(pair.cfg, pair.tokenizer, "math")[:16]
+  loss = evaluate.heldout_loss(pair.target_params, windows, cfg=pair.cfg.target)
+  # The recorded figure is over all eval windows; recompute it exactly on all of them.
+  full = pipeline.heldout_windows(pair.cfg, pair.tokenizer, "math")
+  loss = evaluate.heldout_loss(pair.target_params, full, cfg=pair.cfg.target,
+                               batch=min(16, pair.cfg.measure.eval_windows))
+  assert abs(loss - recorded["math"]) < 1e-4, (loss, recorded)
+  summary = models.load_summary("default")
+  assert json.dumps(summary)  # readable
+  total = sum(os.path.getsize(os.path.join(models.assets_dir(), f))
+              for f in os.listdir(models.assets_dir()) if f.startswith(("default", "tokenizer_default")))
+  assert total <= 24 * 2**20

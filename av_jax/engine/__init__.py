@@ -13,9 +13,9 @@ from av_jax.engine.core import make_engine
 from av_jax.engine.core import prefill
 from av_jax.engine.core import run_chunk
 from av_jax.engine.core import step
-from av_jax.engine.generate import Completion
-from av_jax.engine.generate import GenerateResult
-from av_jax.engine.generate import generate
+from av_jax.engine.batching import Completion
+from av_jax.engine.batching import GenerateResult
+from av_jax.engine.batching import generate
 
 __all__ = (
     "Completion",

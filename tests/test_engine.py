@@ -1,0 +1,126 @@
+"""Engine: greedy equality with target-only decoding, stops, inert slots, no recompiles."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from av_jax import engine as E
+from av_jax.engine import core
+from av_jax.engine import batching as G
+from tests import _engine_fixtures as fx
+
+PROMPTS = [[1, 2, 3], [4], list(range(5, 22)), [7, 7, 7, 7, 7, 7]]
+MAX_NEW = [9, 14, 6, 11]
+
+
+def _engine(kind, mode, copy_target=False, **overrides):
+  cfg, drafter, params = fx.pair(kind, copy_target)
+  settings = dict(num_slots=3, max_draft=4, max_len=64, mode=mode, temperature=0.0,
+                  steps_per_chunk=3)
+  settings.update(overrides)
+  return E.make_engine(E.EngineConfig(**settings), cfg, drafter), params
+
+
+@pytest.mark.parametrize("kind,mode,copy_target", [
+    ("block", "target_only", False),
+    ("block", "av", False),
+    ("block", "fixed", False),
+    ("block_head", "av_head", False),
+    ("block_head", "oracle", False),
+    ("eagle", "av", False),
+    ("draft_lm", "av", False),
+    ("draft_lm", "fixed", True),
+    ("draft_lm", "av", True),
+])
+def test_greedy_equals_target_only_greedy(kind, mode, copy_target):
+  engine, params = _engine(kind, mode, copy_target)
+  cfg = fx.tiny_config(copy_target)
+  want = [fx.greedy_reference(cfg, params.target, p, n) for p, n in zip(PROMPTS, MAX_NEW)]
+  # An EOS that the reference emits mid-way in one request stops that request there.
+  eos = want[1][5]
+  want_eos = [fx.greedy_reference(cfg, params.target, p, n, eos) for p, n in zip(PROMPTS, MAX_NEW)]
+  result = E.generate(engine, params, PROMPTS, max_new_tokens=MAX_NEW, key=jax.random.PRNGKey(0))
+  assert [c.tokens for c in result.completions] == want
+  assert all(c.finish_reason == "length" for c in result.completions)
+  engine_eos = engine._replace(config=engine.config.__class__(
+      **{**engine.config.__dict__, "eos_id": eos}))
+  result = E.generate(engine_eos, params, PROMPTS, max_new_tokens=MAX_NEW,
+                      key=jax.random.PRNGKey(0))
+  assert [c.tokens for c in result.completions] == want_eos
+  assert result.completions[1].finish_reason == "eos"
+  if mode == "target_only":
+    assert result.stats["verified"] == 0
+  if copy_target:  # the drafter is the target: every verified draft is accepted
+    assert result.stats["acceptance_at"][0] == 1.0
+    assert result.stats["emitted"] > result.stats["steps"] * 2
+
+
+def test_drafting_with_the_target_itself_emits_k_plus_one_per_step():
+  engine, params = _engine("draft_lm", "fixed", copy_target=True, num_slots=1, max_draft=4)
+  result = E.generate(engine, params, [[1, 2]], max_new_tokens=[1 + 5 * 6],
+                      key=jax.random.PRNGKey(0))
+  assert result.stats["steps"] == 6 and result.stats["emitted"] == 30
+  assert result.stats["acceptance_at"] == [1.0] * 4
+
+
+def test_no_recompile_after_warmup_and_inert_slots():
+  engine, params = _engine("block", "av", num_buckets=3)
+  prefill, chunk, init = G.compiled(engine)
+  E.generate(engine, params, PROMPTS, max_new_tokens=MAX_NEW, key=jax.random.PRNGKey(1))
+  chunks, prefills = chunk._cache_size(), prefill._cache_size()
+  assert chunks == 1
+  result = E.generate(engine, params, [[3, 1], [2] * 9, [5] * 20], max_new_tokens=[20, 3, 8],
+                      key=jax.random.PRNGKey(2))
+  assert chunk._cache_size() == chunks and prefill._cache_size() == prefills
+  assert len(result.stats["bucket_hist"]) == len(engine.buckets) == 3
+
+  # An idle state stays idle: nothing emitted, nothing written, no labels.
+  state = result.state
+  new_state, info = chunk(params, jax.tree.map(jnp.copy, state))
+  np.testing.assert_array_equal(new_state.tokens, state.tokens)
+  np.testing.assert_array_equal(new_state.length, state.length)
+  np.testing.assert_array_equal(new_state.target_cache.k, state.target_cache.k)
+  assert int(jnp.sum(info.emitted)) == 0 and not bool(jnp.any(info.labeled))
+  assert int(new_state.stats.emitted) == int(state.stats.emitted)
+
+
+def test_same_seed_same_tokens_when_sampling():
+  engine, params = _engine("eagle", "av", temperature=1.0)
+  run = lambda seed: [c.tokens for c in E.generate(
+      engine, params, PROMPTS, max_new_tokens=MAX_NEW, key=jax.random.PRNGKey(seed)).completions]
+  first = run(5)
+  assert run(5) == first
+  assert run(6) != first
+
+
+def test_bad_requests_are_refused_individually():
+  engine, params = _engine("block", "fixed")
+  prompts = [[1, 2], [], [1, 99], [3] * 100, [4, 5]]
+  result = E.generate(engine, params, prompts, max_new_tokens=4, key=jax.random.PRNGKey(0))
+  reasons = [c.finish_reason for c in result.completions]
+  assert reasons == ["length", "error", "error", "error", "length"]
+  assert "empty" in result.completions[1].error
+  assert "vocabulary" in result.completions[2].error
+  assert "exceed" in result.completions[3].error
+  assert len(result.completions[4].tokens) == 4
+
+
+def test_engine_config_errors():
+  cfg, drafter, _ = fx.pair("eagle")
+  with pytest.raises(ValueError, match="mode"):
+    E.EngineConfig(mode="bogus")
+  with pytest.raises(ValueError, match="av_head"):
+    E.make_engine(E.EngineConfig(mode="av_head"), cfg, drafter)
+  with pytest.raises(ValueError, match="policy"):
+    E.make_engine(E.EngineConfig(mode="av", policy="current", temperature=1.0), cfg, drafter)
+  # Greedy drafting makes the current-step budget exact even for an autoregressive drafter.
+  assert E.make_engine(E.EngineConfig(temperature=0.0), cfg, drafter).policy == "current"
+  assert E.make_engine(E.EngineConfig(temperature=1.0), cfg, drafter).policy == "lagged"
+
+
+def test_bucket_sizes():
+  assert E.EngineConfig(num_slots=8, max_draft=8, num_buckets=4).bucket_sizes() == (
+      8, 17, 35, 72)
+  assert E.EngineConfig(num_slots=8, max_draft=8, mode="fixed").bucket_sizes() == (72,)
+  assert E.EngineConfig(num_slots=2, max_draft=2, buckets=(3, 4)).bucket_sizes() == (3, 4, 6)

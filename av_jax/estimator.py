@@ -13,7 +13,9 @@ three parts (`hess_slope []`, `hess_cross [K]`, `hess_diag [K]`) and solved in O
 Schur complement of the diagonal block, so memory is O(K) however many labels arrive.
 
 Robustness (spec section 7 failure modes): entries whose feature is not finite are never
-labelled; positions without labels get a zero step (never NaN); coefficients are clamped
+labelled; positions without labels get a zero step (never NaN); each step is capped at
+`max_step` per coefficient (a trust region, so a saturated start climbs instead of
+overshooting); coefficients are clamped
 to `[-max_abs_coef, max_abs_coef]` (the slope to `[0, max_abs_coef]`) so an all-accept or
 all-reject stretch cannot push them to where a workload change takes many rounds to undo.
 For data-parallel replicas pass `axis_name` to `update`: the round's statistics are then
@@ -98,6 +100,7 @@ def online_estimator(
     init_slope: float = 0.5,
     init_intercept: float = 1.5,
     max_abs_coef: float = 20.0,
+    max_step: float = 2.0,
 ) -> OnlineEstimator:
   """Builds the online per-position logistic acceptance estimator.
 
@@ -109,6 +112,10 @@ def online_estimator(
     init_slope: starting slope (the note measures 0.45-0.59 across real pairs).
     init_intercept: starting intercept of every position (vLLM uses 1.5).
     max_abs_coef: coefficients are clamped to this magnitude after each refit.
+    max_step: trust region: no coefficient moves more than this per refit (after
+      damping). Near saturation the log-loss Hessian vanishes and a full Newton step from
+      a pessimistic start (intercepts -5) would be ~+100, overshooting into oscillation
+      between the clamps; capped steps climb monotonically instead.
 
   Returns:
     `OnlineEstimator(init, predict, update, refit, num_positions)`:
@@ -159,8 +166,11 @@ def online_estimator(
     delta_slope, delta_intercepts = newton_step(state, l2=l2)
     n_i = state.counts
     n = jnp.sum(n_i)
-    slope = state.slope + n / (n + damping + 1e-30) * delta_slope
-    intercepts = state.intercepts + n_i / (n_i + damping + 1e-30) * delta_intercepts
+    step_slope = jnp.clip(n / (n + damping + 1e-30) * delta_slope, -max_step, max_step)
+    step_intercepts = jnp.clip(n_i / (n_i + damping + 1e-30) * delta_intercepts,
+                               -max_step, max_step)
+    slope = state.slope + step_slope
+    intercepts = state.intercepts + step_intercepts
     fresh = init()
     return fresh._replace(
         slope=jnp.clip(slope, 0.0, max_abs_coef),

@@ -97,7 +97,10 @@ def rejection_sample(
   residual = jnp.maximum(p_row - jnp.where(rejected[:, None], q_row, 0.0), 0.0)
   # Float rounding can leave an all-zero residual only when p ~= q; p is then the law.
   residual = jnp.where(jnp.sum(residual, -1, keepdims=True) > 0, residual, p_row)
-  race = residual / jax.random.exponential(key_emit, (B, V))
+  exponential = jax.random.exponential(key_emit, (B, V))
+  # E = 0 has probability 2**-23 per entry, and 0 / 0 = NaN would win the argmax: entries
+  # outside the residual's support are excluded explicitly.
+  race = jnp.where(residual > 0, residual / exponential, -1.0)
   emitted = jnp.argmax(race, axis=-1).astype(jnp.int32)
 
   out_positions = jnp.arange(K + 1)[None, :]
@@ -155,10 +158,13 @@ def rejection_sample_ragged(
   if K < 1:
     raise ValueError(f"max_draft_len: expected >= 1, got {max_draft_len}")
 
+  if T == 0:  # no draft token in the batch: gather from one dummy row, masked below
+    draft_probs = jnp.zeros((1, V), jnp.float32)
+    draft_tokens = jnp.zeros((1,), jnp.int32)
   counts = jnp.clip(num_draft_tokens.astype(jnp.int32), 0, K)
   starts = jnp.cumsum(counts) - counts  # exclusive cumsum: first draft row of b
   i = jnp.arange(K + 1)
-  draft_rows = jnp.minimum(starts[:, None] + i[None, :K], T - 1)          # [B, K]
+  draft_rows = jnp.minimum(starts[:, None] + i[None, :K], max(T, 1) - 1)          # [B, K]
   target_rows = jnp.minimum(starts[:, None] + jnp.arange(B)[:, None] + i[None, :],
                             T + B - 1)                                     # [B, K+1]
   in_draft = i[None, :K] < counts[:, None]

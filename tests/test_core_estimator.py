@@ -21,7 +21,8 @@ def _synthetic(rng, n_steps, B, K, slope=0.6, intercepts=None, label_rate=0.8):
   return f, y, labeled
 
 
-def _numpy_damped_newton(slope, intercepts, f, y, mask, *, damping, l2, max_abs_coef=20.0):
+def _numpy_damped_newton(slope, intercepts, f, y, mask, *, damping, l2, max_abs_coef=20.0,
+                         max_step=2.0):
   """Independent float64 reference: dense (K+1)x(K+1) Newton step, damped per coefficient."""
   K = f.shape[-1]
   f = f.reshape(-1, K).astype(np.float64)
@@ -40,9 +41,10 @@ def _numpy_damped_newton(slope, intercepts, f, y, mask, *, damping, l2, max_abs_
     counts[c] += 1
   delta = np.linalg.solve(H + l2 * np.eye(K + 1), -g)
   n = counts.sum()
-  new_slope = np.clip(slope + n / (n + damping) * delta[0], 0, max_abs_coef)
-  new_b = np.clip(intercepts + counts / (counts + damping) * delta[1:], -max_abs_coef,
-                  max_abs_coef)
+  step = np.clip(np.r_[n / (n + damping), counts / (counts + damping)] * delta, -max_step,
+                 max_step)
+  new_slope = np.clip(slope + step[0], 0, max_abs_coef)
+  new_b = np.clip(intercepts + step[1:], -max_abs_coef, max_abs_coef)
   return new_slope, new_b
 
 

@@ -36,6 +36,7 @@ def _exact_marginals(cfg, target_params, top_p):
 
 
 def _chisquare_pvalue(samples, probs):
+  probs = probs / probs.sum()  # float32 model probabilities: renormalise in float64
   counts = np.bincount(samples, minlength=len(probs)).astype(float)
   expected = probs * len(samples)
   order = np.argsort(expected)

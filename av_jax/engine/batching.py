@@ -160,6 +160,7 @@ def generate(engine: core.Engine, params: core.Params, prompts: Sequence[Sequenc
   s = jax.tree.map(np.asarray, state.stats)
   stats = dict(steps=int(s.steps), emitted=int(s.emitted), verified=int(s.verified),
                drafted=int(s.drafted), nonfinite=int(s.nonfinite),
+               accepted=int(s.accepted_at.sum()), labeled=int(s.labeled_at.sum()),
                acceptance_at=(s.accepted_at / np.maximum(s.labeled_at, 1)).tolist(),
                bucket_hist=s.bucket_hist.tolist())
   return GenerateResult(completions=completions, stats=stats, infos=infos, state=state)

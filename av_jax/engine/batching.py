@@ -56,6 +56,39 @@ def compiled(engine: core.Engine):
   return prefill, chunk, init
 
 
+_SHARDED: dict = {}
+
+
+def compiled_sharded(engine: core.Engine, mesh, params: core.Params,
+                     state: core.DecodeState):
+  """Jitted (prefill, run_chunk) with explicit in/out shardings over `mesh`."""
+  from jax.sharding import NamedSharding, PartitionSpec
+  from av_jax.engine import sharding
+  key = (engine, mesh, jax.tree.structure(params))
+  if key not in _SHARDED:
+    params_sh = sharding.param_shardings(mesh, params)
+    state_sh = sharding.state_shardings(mesh, state)
+    rep = NamedSharding(mesh, PartitionSpec())
+    prefill_fn = lambda params, state, prompt, prompt_len, slot, max_new: core.prefill(
+        engine, params, state, prompt=prompt, prompt_len=prompt_len, slot=slot,
+        max_new=max_new)
+    chunk_fn = lambda params, state: core.run_chunk(engine, params, state)
+    if sharding.is_explicit(mesh):
+      # Explicit axes type every array's sharding; the model code inside is written for
+      # compiler propagation, so it runs in Auto mode between explicitly sharded
+      # inputs and outputs.
+      spec = lambda tree: jax.tree.map(lambda sh: sh.spec, tree)
+      info_spec = core.StepInfo(*([PartitionSpec()] * len(core.StepInfo._fields)))
+      prefill_fn = jax.sharding.auto_axes(prefill_fn, out_sharding=spec(state_sh))
+      chunk_fn = jax.sharding.auto_axes(chunk_fn, out_sharding=(spec(state_sh), info_spec))
+    prefill = jax.jit(prefill_fn, in_shardings=(params_sh, state_sh, rep, rep, rep, rep),
+                      out_shardings=state_sh, donate_argnums=(1,))
+    chunk = jax.jit(chunk_fn, in_shardings=(params_sh, state_sh),
+                    out_shardings=(state_sh, rep), donate_argnums=(1,))
+    _SHARDED[key] = (prefill, chunk)
+  return _SHARDED[key]
+
+
 def validate_prompt(prompt: Sequence[int], *, vocab_size: int, max_prompt: int) -> str | None:
   """Why a prompt cannot be served, or None."""
   if len(prompt) == 0:
@@ -72,7 +105,7 @@ def generate(engine: core.Engine, params: core.Params, prompts: Sequence[Sequenc
              max_new_tokens: int | Sequence[int], key: jax.Array,
              cost: CostModel | None = None, keep_infos: bool = False,
              on_chunk: Callable[[core.DecodeState, core.StepInfo], None] | None = None,
-             state: core.DecodeState | None = None) -> GenerateResult:
+             state: core.DecodeState | None = None, mesh=None) -> GenerateResult:
   """Generates continuations of `prompts` with continuous batching.
 
   Args:
@@ -87,6 +120,8 @@ def generate(engine: core.Engine, params: core.Params, prompts: Sequence[Sequenc
     on_chunk: called after every chunk with the state and the chunk's step records
       (streaming, progress).
     state: continue from this decode state instead of a fresh one (must be idle).
+    mesh: a ('data', 'model') `jax.sharding.Mesh` (`av_jax.engine.sharding.make_mesh`):
+      slots over 'data', heads and MLP width over 'model'. None runs on one device.
 
   Returns:
     A `GenerateResult`.
@@ -115,6 +150,10 @@ def generate(engine: core.Engine, params: core.Params, prompts: Sequence[Sequenc
 
   if state is None:
     state = init(params, key, core.default_cost(cfg) if cost is None else cost)
+  if mesh is not None:
+    from av_jax.engine import sharding
+    params, state = sharding.place(engine, mesh, params, state)
+    prefill, chunk = compiled_sharded(engine, mesh, params, state)
   owner = [-1] * B  # request index held by each slot
   infos = []
 

@@ -1,0 +1,129 @@
+"""`av-jax` command line: generate (streaming), profile (cost tables), demo (main job).
+
+    av-jax generate --prompt "def fib(n):" --drafter eagle --mode av
+    av-jax profile --drafter block --slots 16
+    av-jax demo
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import jax
+import numpy as np
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+  p.add_argument("--models", default="default", help="shipped model set name")
+  p.add_argument("--drafter", default="eagle", choices=("draft_lm", "eagle", "block",
+                                                        "block_head"))
+  p.add_argument("--mode", default="av",
+                 choices=("target_only", "fixed", "av", "av_head", "oracle"))
+  p.add_argument("--slots", type=int, default=8, help="B, concurrent request slots")
+  p.add_argument("--k", type=int, default=8, help="K, maximum draft length")
+  p.add_argument("--max-len", type=int, default=512, help="cache positions per slot")
+  p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
+  p.add_argument("--top-p", type=float, default=0.95)
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--steps-per-chunk", type=int, default=8)
+  p.add_argument("--no-profile", action="store_true",
+                 help="skip start-up cost profiling (synthetic cost model)")
+
+
+def _build(args, mode: str | None = None):
+  from av_jax import engine as E
+  from av_jax import models as M
+  from av_jax.engine import profile as prof
+  pair = M.load(args.models, drafter=args.drafter)
+  config = E.EngineConfig(num_slots=args.slots, max_draft=args.k, max_len=args.max_len,
+                          mode=mode or args.mode, temperature=args.temperature,
+                          top_p=args.top_p, eos_id=pair.tokenizer.eos_id,
+                          steps_per_chunk=args.steps_per_chunk)
+  engine = E.make_engine(config, pair.cfg, pair.drafter)
+  params = E.Params(target=pair.target_params, drafter=pair.drafter_params)
+  cost = None
+  if not getattr(args, "no_profile", False):
+    cost, _ = prof.profile_costs(engine, params)
+  return pair, engine, params, cost
+
+
+def cmd_generate(args) -> None:
+  from av_jax import engine as E
+  pair, engine, params, cost = _build(args)
+  tok = pair.tokenizer
+  prompt = tok.encode(args.prompt)
+  out = sys.stdout
+  out.write(args.prompt)
+  out.flush()
+  shown = [0]
+  start = time.perf_counter()
+  last = [start, 0]
+
+  def on_chunk(state, info):
+    length, plen = int(state.length[0]), int(state.prompt_len[0])
+    new = np.asarray(state.tokens[0, plen + shown[0]:length]).tolist()
+    text = tok.decode_bytes(new).decode("utf-8", errors="replace")
+    shown[0] += len(new)
+    out.write(text)
+    out.flush()
+    if args.stats:
+      now = time.perf_counter()
+      emitted = int(np.sum(info.emitted))
+      sys.stderr.write(
+          f"\n[chunk] budget={np.mean(info.budget):.1f} verified={np.mean(info.verified):.1f} "
+          f"emitted/step={np.mean(info.emitted):.2f} "
+          f"tokens/s={emitted / max(now - last[0], 1e-9):.1f}\n")
+      last[0] = now
+
+  result = E.generate(engine, params, [prompt], max_new_tokens=args.max_new,
+                      key=jax.random.PRNGKey(args.seed), cost=cost, on_chunk=on_chunk)
+  c = result.completions[0]
+  if c.finish_reason == "error":
+    raise SystemExit(c.error)
+  elapsed = time.perf_counter() - start
+  s = result.stats
+  print(f"\n--- {len(c.tokens)} tokens in {elapsed:.2f} s ({len(c.tokens) / elapsed:.1f} tok/s), "
+        f"{s['steps']} steps, {s['emitted'] / max(s['steps'], 1):.2f} tokens/step, "
+        f"verified {s['verified']} of {s['drafted']} drafts, finish={c.finish_reason}",
+        file=sys.stderr)
+
+
+def cmd_profile(args) -> None:
+  from av_jax.engine import profile as prof
+  args.no_profile = True
+  _, engine, params, _ = _build(args)
+  _, profile = prof.profile_costs(engine, params, refresh=args.refresh)
+  print(prof.format_profile(profile))
+
+
+def cmd_demo(args) -> None:
+  from av_jax.engine import demo
+  demo.main(args)
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(prog="av-jax", description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  sub = parser.add_subparsers(dest="command", required=True)
+  g = sub.add_parser("generate", help="generate text, streaming, with per-step statistics")
+  _engine_args(g)
+  g.add_argument("--prompt", required=True)
+  g.add_argument("--max-new", type=int, default=128)
+  g.add_argument("--stats", action="store_true", help="print per-chunk statistics")
+  g.set_defaults(func=cmd_generate)
+  p = sub.add_parser("profile", help="measure and print the cost tables")
+  _engine_args(p)
+  p.add_argument("--refresh", action="store_true", help="re-measure even if cached")
+  p.set_defaults(func=cmd_profile)
+  d = sub.add_parser("demo", help="AV against fixed K on the shipped models (main job)")
+  from av_jax.engine import demo
+  demo.add_args(d)
+  d.set_defaults(func=cmd_demo)
+  args = parser.parse_args(argv)
+  args.func(args)
+
+
+if __name__ == "__main__":
+  main()

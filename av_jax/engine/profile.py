@@ -1,0 +1,136 @@
+"""Start-up cost profiling: measured step-cost tables for the planner (spec section 8).
+
+Every bucket's verify program (the target's packed forward on T tokens) and the drafter
+are timed on the device in use: warm-up, then the median of `repeats` runs. The verify
+table is a step function of the bucket (T tokens cost what the smallest bucket >= T
+costs) and is forced monotone. The result is cached on disk keyed by device kind, engine
+config and model config, so a server profiles once per machine kind.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from av_jax.engine import core
+from av_jax.models import transformer
+from av_jax.selection import CostModel, make_cost_model
+
+
+def _median_ms(fn, *args, repeats: int) -> float:
+  jax.block_until_ready(fn(*args))  # compile + warm-up
+  jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append((time.perf_counter() - start) * 1e3)
+  return float(np.median(times))
+
+
+def measure(engine: core.Engine, params: core.Params, *, repeats: int = 5) -> dict:
+  """Times every verify bucket and the drafter; returns a JSON-able profile."""
+  cfg, models = engine.config, engine.models
+  B, K, M = cfg.num_slots, cfg.max_draft, cfg.max_len
+  state = core.init_state(engine, params, jax.random.PRNGKey(0))
+
+  def verify(target_params, cache, tokens, slot, positions, valid):
+    return transformer.forward_packed(target_params, tokens, slot=slot, positions=positions,
+                                      valid=valid, cache=cache, cfg=models.target).logits
+
+  verify = jax.jit(verify)
+  bucket_ms = []
+  for size in engine.buckets:
+    # Realistic packing: slots round-robin, positions mid-cache, every entry valid.
+    slot = jnp.arange(size, dtype=jnp.int32) % B
+    positions = (M // 2 + jnp.arange(size, dtype=jnp.int32) // B).astype(jnp.int32)
+    tokens = jnp.ones((size,), jnp.int32)
+    bucket_ms.append(_median_ms(verify, params.target, state.target_cache, tokens, slot,
+                                positions, jnp.ones((size,), bool), repeats=repeats))
+
+  draft = jax.jit(lambda dp, tp, ds, key: engine.drafter.draft(
+      dp, tp, ds, key, K=K, temperature=cfg.temperature, top_p=cfg.top_p).logits)
+  draft_ms = _median_ms(draft, params.drafter, params.target, state.drafter,
+                        jax.random.PRNGKey(0), repeats=repeats)
+  return dict(device_kind=jax.devices()[0].device_kind, buckets=list(engine.buckets),
+              bucket_ms=bucket_ms, draft_ms=draft_ms, repeats=repeats)
+
+
+def cost_model_from_profile(profile: dict, *, num_slots: int, max_tokens: int) -> CostModel:
+  """Step-function, monotone `CostModel` from `measure`'s bucket times."""
+  buckets = np.asarray(profile["buckets"])
+  bucket_ms = np.maximum.accumulate(np.asarray(profile["bucket_ms"], np.float64))
+  t = np.arange(max_tokens + 1)
+  index = np.minimum(np.searchsorted(buckets, t, side="left"), len(buckets) - 1)
+  verify = bucket_ms[index]
+  # The engine drafts for all B slots whatever R is, so drafting cost is flat in R.
+  draft = np.full(num_slots + 1, profile["draft_ms"])
+  return make_cost_model(draft, verify)
+
+
+def cache_key(engine: core.Engine) -> str:
+  cfg = dataclasses.asdict(engine.config)
+  cfg.pop("steps_per_chunk")
+  blob = json.dumps([jax.devices()[0].device_kind, cfg, dataclasses.asdict(engine.models),
+                     engine.drafter.kind], sort_keys=True, default=str)
+  return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def default_cache_dir() -> str:
+  return os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")),
+                      "av_jax", "costs")
+
+
+def profile_costs(engine: core.Engine, params: core.Params, *, repeats: int = 5,
+                  cache_dir: str | None = None, refresh: bool = False) -> tuple[CostModel, dict]:
+  """Measured `CostModel` for `engine`, from the disk cache when present.
+
+  Args:
+    engine: the engine whose buckets and drafter are timed.
+    params: model parameters.
+    repeats: timed runs per program after warm-up (median taken).
+    cache_dir: where profiles are kept (default `~/.cache/av_jax/costs`); "" disables.
+    refresh: re-measure even when cached.
+
+  Returns:
+    `(cost_model, profile)`; `profile["cached"]` says whether it came from disk.
+  """
+  cfg = engine.config
+  cache_dir = default_cache_dir() if cache_dir is None else cache_dir
+  path = os.path.join(cache_dir, f"{cache_key(engine)}.json") if cache_dir else ""
+  profile = None
+  if path and os.path.exists(path) and not refresh:
+    try:
+      with open(path) as f:
+        profile = json.load(f)
+      profile["cached"] = True
+    except (OSError, ValueError):
+      profile = None  # a corrupt cache entry is re-measured
+  if profile is None:
+    profile = measure(engine, params, repeats=repeats)
+    if path:
+      os.makedirs(cache_dir, exist_ok=True)
+      with open(path, "w") as f:
+        json.dump(profile, f, indent=1)
+    profile["cached"] = False
+  cost = cost_model_from_profile(profile, num_slots=cfg.num_slots,
+                                 max_tokens=cfg.num_slots * (cfg.max_draft + 1))
+  return cost, profile
+
+
+def format_profile(profile: dict) -> str:
+  """A printable table of a profile."""
+  lines = [f"device: {profile['device_kind']}  (median of {profile['repeats']} runs"
+           f"{', cached' if profile.get('cached') else ''})",
+           f"draft (all slots, K tokens): {profile['draft_ms']:.3f} ms",
+           f"{'bucket T':>9} {'verify ms':>10} {'ms/token':>9}"]
+  for size, ms in zip(profile["buckets"], profile["bucket_ms"]):
+    lines.append(f"{size:>9} {ms:>10.3f} {ms / size:>9.4f}")
+  return "\n".join(lines)

@@ -1,0 +1,114 @@
+"""Sharding the engine over a ('data', 'model') device mesh with `jax.jit` shardings.
+
+Layout (the successor of pjit: `jax.jit` with `in_shardings` / `out_shardings`):
+
+* slots (B) over 'data': the sequence buffer, per-slot lengths and flags, every KV cache
+  (`[L, B, M, H, Dh]` -> `P(None, 'data', None, 'model', None)`), the drafter's pending
+  block;
+* attention heads and MLP width over 'model': q/k/v kernels `[D, H, Dh]` split on H, the
+  output kernel `[H, Dh, D]` on H, gate/up `[D, F]` on F, down `[F, D]` on F;
+* replicated: embeddings, norms, the estimator and planner states, the cost tables, the
+  PRNG key and the running statistics.
+
+The estimator's round statistics are sums over all slots. Under `jax.jit` the compiler
+inserts the cross-'data' reduction itself, so every replica holds bit-identical
+coefficients after each refit (replicas that disagreed on the budget would deadlock a
+real deployment). Inside `jax.shard_map` code, pass `axis_name='data'` to `est.update`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from av_jax.engine import core
+from av_jax.models import transformer
+from av_jax.models.drafters import DrafterState
+
+DATA, MODEL = "data", "model"
+
+
+def make_mesh(data: int, model: int, *, explicit: bool = False,
+              devices=None) -> Mesh:
+  """A `(data, model)` mesh; `explicit=True` uses Explicit axis types (sharding in types)."""
+  kind = jax.sharding.AxisType.Explicit if explicit else jax.sharding.AxisType.Auto
+  if devices is None:
+    return jax.make_mesh((data, model), (DATA, MODEL), axis_types=(kind, kind))
+  return Mesh(devices, (DATA, MODEL), axis_types=(kind, kind))
+
+
+def is_explicit(mesh: Mesh) -> bool:
+  return any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)
+
+
+def _leaf_name(path) -> list[str]:
+  return [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
+
+
+def param_spec(path, leaf) -> P:
+  """Partition spec of one parameter, from its name path (Megatron-style split)."""
+  names = _leaf_name(path)
+  if names[-1] != "kernel":
+    return P()
+  owner = names[-2] if len(names) >= 2 else ""
+  if owner in ("q", "k", "v") and leaf.ndim == 3:
+    return P(None, MODEL, None)
+  if owner == "o" and leaf.ndim == 3:
+    return P(MODEL, None, None)
+  if owner in ("gate", "up") and leaf.ndim == 2:
+    return P(None, MODEL)
+  if owner == "down" and leaf.ndim == 2:
+    return P(MODEL, None)
+  return P()
+
+
+def param_shardings(mesh: Mesh, params: Any) -> Any:
+  return jax.tree_util.tree_map_with_path(
+      lambda path, leaf: NamedSharding(mesh, param_spec(path, leaf)), params)
+
+
+def _cache_sharding(mesh, cache):
+  if cache is None:
+    return None
+  spec = NamedSharding(mesh, P(None, DATA, None, MODEL, None))
+  return transformer.KVCache(spec, spec)
+
+
+def state_shardings(mesh: Mesh, state: core.DecodeState) -> core.DecodeState:
+  """Shardings of every field of a decode state (see the module docstring)."""
+  slots = NamedSharding(mesh, P(DATA))
+  replicated = NamedSharding(mesh, P())
+  rep = lambda tree: jax.tree.map(lambda _: replicated, tree)
+  drafter = state.drafter
+  return core.DecodeState(
+      target_cache=_cache_sharding(mesh, state.target_cache),
+      drafter=DrafterState(cache=_cache_sharding(mesh, drafter.cache), tokens=slots,
+                           hidden=slots, num_pending=slots, position=slots),
+      tokens=slots, length=slots, prompt_len=slots, max_new=slots, active=slots,
+      estimator=rep(state.estimator), planner=rep(state.planner), cost=rep(state.cost),
+      key=replicated, stats=rep(state.stats))
+
+
+def check_divisible(engine: core.Engine, mesh: Mesh) -> None:
+  """Raises a ValueError naming what does not divide over the mesh."""
+  data, model = mesh.shape[DATA], mesh.shape[MODEL]
+  if engine.config.num_slots % data:
+    raise ValueError(f"num_slots: {engine.config.num_slots} is not divisible by the "
+                     f"'data' axis of size {data}")
+  t = engine.models.target
+  for name, value in (("num_heads", t.num_heads), ("mlp_dim", t.mlp_dim)):
+    if value % model:
+      raise ValueError(f"target {name}: {value} is not divisible by the 'model' axis of "
+                       f"size {model}")
+
+
+def place(engine: core.Engine, mesh: Mesh, params: core.Params,
+          state: core.DecodeState) -> tuple[core.Params, core.DecodeState]:
+  """Puts parameters and a decode state on the mesh with their shardings."""
+  check_divisible(engine, mesh)
+  params = jax.device_put(params, param_shardings(mesh, params))
+  state = jax.device_put(state, state_shardings(mesh, state))
+  return params, state

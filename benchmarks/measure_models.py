@@ -137,6 +137,13 @@ def write_markdown(path: str, name: str, res: dict, summary: dict, command: str,
       for wl, st in res["drafters"][kind][setting].items():
         lines.append(f"| {kind} | {wl} | " + " | ".join(_fmt(a) for a in st["acceptance"]) +
                      f" | {st['mean_emitted']:.2f} | {st['labels'][-1]} |")
+    lines += ["", f"Survival, {label}: fraction of verification steps whose positions 1..i were "
+              "all accepted (falls with depth by construction; its sum + 1 is `emitted`).", "",
+              "| drafter | workload | " + " | ".join(f"s{i + 1}" for i in range(mc.K)) + " |",
+              "|---|---|" + "---:|" * mc.K]
+    for kind in models.KINDS:
+      for wl, st in res["drafters"][kind][setting].items():
+        lines.append(f"| {kind} | {wl} | " + " | ".join(_fmt(a) for a in st["survival"]) + " |")
   lines += ["", "## Confidence head (`block_head`) on held-out labels", "",
             f"AUC of the head's logits against accept/reject labels of the sampled setting "
             f"above (held-out prompts; the head was trained on labels from train-split "

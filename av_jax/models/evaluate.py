@@ -100,12 +100,19 @@ def rollout(target_params, drafter_params, prompts: jax.Array, key: jax.Array, *
 
 
 def acceptance_stats(rec: RolloutRecord) -> dict:
-  """Per-position conditional acceptance (accepted / labeled), label counts, mean emitted."""
+  """Per-position acceptance statistics of a rollout.
+
+  Returns:
+    `acceptance[i]`: accepted / labelled at position i+1, the acceptance rate given positions
+    1..i were accepted (what the estimator's pi models); `labels[i]`: its sample size;
+    `survival[i]`: fraction of steps with positions 1..i+1 all accepted; `mean_emitted`.
+  """
   acc = np.asarray(rec.accepted).reshape(-1, rec.accepted.shape[-1])
   lab = np.asarray(rec.labeled).reshape(-1, rec.labeled.shape[-1])
   n = lab.sum(0)
   rate = np.where(n > 0, acc.sum(0) / np.maximum(n, 1), np.nan)
   return {"acceptance": rate.tolist(), "labels": n.tolist(),
+          "survival": acc.mean(0).tolist(),  # P(positions 1..i all accepted)
           "mean_emitted": float(np.asarray(rec.num_emitted).mean())}
 
 

@@ -4,6 +4,11 @@ The public API, one name per line (see README.md and docs/).
 """
 
 from av_jax import metrics
+from av_jax.decision import Decision
+from av_jax.decision import DecisionState
+from av_jax.decision import decision_step
+from av_jax.decision import init_decision_state
+from av_jax.decision import make_decision
 from av_jax.estimator import EstimatorState
 from av_jax.estimator import OnlineEstimator
 from av_jax.estimator import online_estimator
@@ -36,6 +41,8 @@ __version__ = "0.1.0"
 
 __all__ = (
     "CostModel",
+    "Decision",
+    "DecisionState",
     "EstimatorState",
     "FEATURES",
     "FEATURE_CLIP",
@@ -48,12 +55,15 @@ __all__ = (
     "RejectionResult",
     "allocate",
     "choose_budget",
+    "decision_step",
     "exact_policy",
     "get_feature",
+    "init_decision_state",
     "is_exact",
     "linear_cost_model",
     "logit_qmax",
     "make_cost_model",
+    "make_decision",
     "make_planner",
     "metrics",
     "neg_entropy",

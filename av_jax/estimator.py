@@ -140,13 +140,14 @@ def online_estimator(
   K = num_positions
 
   def init() -> EstimatorState:
-    zeros_k = jnp.zeros((K,), jnp.float32)
-    zero = jnp.zeros((), jnp.float32)
+    # Every field gets its own buffer, so a fresh state can be donated to a jitted step.
+    zeros_k = lambda: jnp.zeros((K,), jnp.float32)
+    zero = lambda: jnp.zeros((), jnp.float32)
     return EstimatorState(
         slope=jnp.asarray(init_slope, jnp.float32),
         intercepts=jnp.full((K,), init_intercept, jnp.float32),
-        grad_slope=zero, grad_intercepts=zeros_k, hess_slope=zero,
-        hess_cross=zeros_k, hess_diag=zeros_k, counts=zeros_k,
+        grad_slope=zero(), grad_intercepts=zeros_k(), hess_slope=zero(),
+        hess_cross=zeros_k(), hess_diag=zeros_k(), counts=zeros_k(),
         step=jnp.zeros((), jnp.int32), num_refits=jnp.zeros((), jnp.int32))
 
   def _check_features(features):

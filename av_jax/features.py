@@ -116,7 +116,9 @@ def logit_qmax(
   maximum, so it is exact for ties and needs no normalisation pass: one max pass and
   one fused exp-sum pass over the logits (the engine's per-step hot path). A row with a
   single support token (one-hot, V = 1, a lone +inf) gives +inf, clipped to
-  +FEATURE_CLIP; a row of only -inf logits is read as uniform; NaN logits give NaN.
+  +FEATURE_CLIP; a row of only -inf logits is read as uniform. NaN logits give NaN on
+  short rows, but XLA:CPU's max may skip NaN on long rows, so callers that must detect
+  bad rows check `isfinite` themselves (the engine does, per slot).
 
   Args:
     logits: `[..., V]` draft logits.
@@ -129,12 +131,79 @@ def logit_qmax(
   Example:
     >>> logit_qmax(jnp.log(jnp.array([0.8, 0.2])))  # log(0.8 / 0.2) = 1.386
   """
-  scaled = _scaled_logits(logits, temperature, top_p)
+  if not (isinstance(top_p, (int, float)) and top_p >= 1.0):
+    return _logit_qmax_reference(_scaled_logits(logits, temperature, top_p))  # sort dominates
+  logits = jnp.asarray(logits, dtype=jnp.float32)
+  _checks.rank_at_least("logits", logits, 1)
+  scale = _as_scale(temperature, logits)
+  fast = _clip(-jnp.log(_rest_plus_ties(logits, jnp.where(scale > 0, scale, 1.0))))
+  # Rows whose max is not finite (all -inf, a +inf, NaN) come out NaN from the fast path;
+  # only then is the reference formula evaluated (lax.cond: free when no such row).
+  bad = jnp.isnan(fast)
+  return jax.lax.cond(
+      jnp.any(bad),
+      lambda: jnp.where(bad, _logit_qmax_reference(_scaled_logits(logits, temperature, 1.0)),
+                        fast),
+      lambda: fast)
+
+
+def _logit_qmax_reference(scaled: jax.Array) -> jax.Array:
+  """The direct formula (comparisons, two reductions): exact for every input, but on
+  XLA:CPU it writes three [..., V] temporaries. Used with top-p and for bad rows."""
   m = jnp.max(scaled, axis=-1, keepdims=True)
   below = scaled < m
   rest = jnp.sum(jnp.where(below, jnp.exp(jnp.where(below, scaled - m, 0.0)), 0.0), axis=-1)
   ties = jnp.sum((scaled == m).astype(jnp.float32), axis=-1) - 1.0
   return _clip(-jnp.log(rest + ties))
+
+
+# (m - l) * _GAP_SCALE >= 1 for every nonzero float32 gap (normal floats).
+_GAP_SCALE = 1e38
+# Longest vocabulary chunk reduced in one fused sweep: XLA:CPU's fused max-then-sum
+# slows down ~10x once a row stops fitting in cache (measured between V=32768 and 65536).
+_CHUNK = 8192
+
+
+def _chunk_length(vocab: int) -> int:
+  """Largest divisor of V in [1024, _CHUNK], else V itself (one chunk)."""
+  if vocab <= _CHUNK:
+    return vocab
+  for c in range(_CHUNK, 1023, -1):
+    if vocab % c == 0:
+      return c
+  return vocab
+
+
+def _rest_plus_ties(logits: jax.Array, temperature: jax.Array) -> jax.Array:
+  """`sum_{v below max} exp((l_v - m) / T) + (#maxima - 1)` in two fused passes and no
+  [..., V] temporary; NaN for rows whose max is not finite. `temperature`: [..., 1] > 0.
+
+  Compare-free so that XLA:CPU fuses it: `below = min((m - l) * 1e38, 1)` is 1 below the
+  max and 0 at it, and the rest and the count of maxima are two channels of one sum.
+  Gaps are taken on the raw logits and divided by T afterwards (max commutes with a
+  positive scale), so a max entry gives exactly d = 0 even if XLA recomputes l / T
+  differently in two fusions. Per chunk of the vocabulary the sums are relative to the
+  chunk's own max, then combined exactly: chunks below the row max are rescaled by
+  exp((m_c - m) / T) (their maxima are ordinary entries), only chunks at the row max add
+  to the tie count.
+  """
+  V = logits.shape[-1]
+  C = _chunk_length(V)
+  chunks = logits.reshape(*logits.shape[:-1], V // C, C)
+  chunk_max = jnp.max(chunks, axis=-1)
+  shift = jnp.where(chunk_max == _NEG_INF, 0.0, chunk_max)  # an all -inf chunk adds 0
+  d = (chunks - shift[..., None])[..., None, :]              # [..., N, 1, C] <= 0
+  below = jnp.minimum(d * -_GAP_SCALE, 1.0)
+  channel = jnp.array([[0.0], [1.0]], jnp.float32)
+  inv_t = (1.0 / temperature)[..., None, None]
+  sums = jnp.sum(jnp.exp(d * inv_t) * below * (1.0 - channel) + (1.0 - below) * channel,
+                 axis=-1)
+  m = jnp.max(chunk_max, axis=-1, keepdims=True)
+  top = chunk_max == m
+  rescale = jnp.exp(jnp.where(top, 0.0, chunk_max - m) / temperature)
+  rest = jnp.sum(sums[..., 0] * rescale + jnp.where(top, 0.0, sums[..., 1] * rescale), -1)
+  ties = jnp.sum(jnp.where(top, sums[..., 1], 0.0), axis=-1) - 1.0
+  return rest + ties
 
 
 def top2_margin(

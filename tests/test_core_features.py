@@ -156,3 +156,19 @@ def test_vmap_and_bad_shapes():
     av_jax.logit_qmax(jnp.float32(1.0))
   with pytest.raises(ValueError, match="option"):
     av_jax.logit_qmax(logits, temperature=jnp.ones((2, 3, 4, 5)))
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_logit_qmax_long_vocabulary_chunked_path(maybe_jit, temperature):
+  """V > 8192 takes the chunked fused path: ties across chunks, -inf chunks, a far max."""
+  rng = np.random.default_rng(9)
+  V = 3 * 8192
+  rows = rng.normal(size=(6, V)).astype(np.float32) * 3
+  rows[1, [5, 9000, 20000]] = 40.0                       # the max tied in three chunks
+  rows[2, :8192] = -np.inf                               # a whole chunk banned
+  rows[3, 17] = 60.0                                     # q_max ~ 1 - 1e-15: clipped
+  rows[4, 8191] = 25.0                                   # max at a chunk boundary
+  rows[5] = -np.inf
+  rows[5, 12345] = 1.0                                   # one-hot through -inf
+  got = np.asarray(maybe_jit(lambda l: av_jax.logit_qmax(l, temperature=temperature))(rows))
+  np.testing.assert_allclose(got, _ref_logit_qmax(rows, temperature), rtol=3e-5, atol=3e-5)

@@ -153,7 +153,9 @@ def _logit_qmax_reference(scaled: jax.Array) -> jax.Array:
   m = jnp.max(scaled, axis=-1, keepdims=True)
   below = scaled < m
   rest = jnp.sum(jnp.where(below, jnp.exp(jnp.where(below, scaled - m, 0.0)), 0.0), axis=-1)
-  ties = jnp.sum((scaled == m).astype(jnp.float32), axis=-1) - 1.0
+  # `>=`, not `==`: XLA may recompute a fused producer of `scaled` in this reduction with
+  # different rounding than in the max; an entry landing above m still counts as a max.
+  ties = jnp.sum((scaled >= m).astype(jnp.float32), axis=-1) - 1.0
   return _clip(-jnp.log(rest + ties))
 
 
@@ -192,7 +194,11 @@ def _rest_plus_ties(logits: jax.Array, temperature: jax.Array) -> jax.Array:
   chunks = logits.reshape(*logits.shape[:-1], V // C, C)
   chunk_max = jnp.max(chunks, axis=-1)
   shift = jnp.where(chunk_max == _NEG_INF, 0.0, chunk_max)  # an all -inf chunk adds 0
-  d = (chunks - shift[..., None])[..., None, :]              # [..., N, 1, C] <= 0
+  # Clamped at 0: when the logits' producer is fused into both passes, XLA may recompute
+  # it with different rounding, and the max entry could land a hair above its own chunk
+  # max. Clamped, it counts as a maximum; a hair below, it counts in the rest channel
+  # (as exp(~0) = 1, the tie count one lower): the total is right either way.
+  d = jnp.minimum(chunks - shift[..., None], 0.0)[..., None, :]  # [..., N, 1, C] <= 0
   below = jnp.minimum(d * -_GAP_SCALE, 1.0)
   channel = jnp.array([[0.0], [1.0]], jnp.float32)
   inv_t = (1.0 / temperature)[..., None, None]

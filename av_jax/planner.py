@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from av_jax import _checks
-from av_jax.selection import CostModel, allocate, choose_budget, survival
+from av_jax.selection import CostModel, allocate, budget_and_allocation, survival
 
 POLICIES = ("current", "lagged", "fixed", "none")
 DRAFTER_KINDS = ("autoregressive", "parallel")
@@ -117,16 +117,15 @@ def make_planner(
     _checks.boolean("active", active)
     surv = survival(probs)
     next_budget = state.budget
-    if policy == "current":
-      budget = choose_budget(surv, cost, active=active)
-    elif policy == "lagged":
-      budget = state.budget
-      next_budget = choose_budget(surv, cost, active=active)
-    elif policy == "fixed":
-      budget = jnp.asarray(B * K, jnp.int32)
+    if policy in ("current", "lagged"):
+      # One sort serves both the budget and the allocation.
+      optimal, budget, mask = budget_and_allocation(
+          surv, cost, active=active, budget=state.budget if policy == "lagged" else None)
+      if policy == "lagged":
+        next_budget = optimal
     else:
-      budget = jnp.zeros((), jnp.int32)
-    mask = allocate(surv, budget, active=active)
+      budget = jnp.asarray(B * K if policy == "fixed" else 0, jnp.int32)
+      mask = allocate(surv, budget, active=active)
     if explore_every > 0 and policy in ("current", "lagged"):
       slot = (state.step // explore_every) % B
       explored = (jnp.arange(B) == slot) & (state.step % explore_every == 0) & active

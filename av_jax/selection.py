@@ -97,6 +97,45 @@ def _check_survival(survival, active):
   return survival, active
 
 
+class _Ranking(NamedTuple):
+  """One stable sort of the flattened survivals, shared by budget and allocation."""
+  flat: jax.Array        # [K*B] ranked survivals, position-major (index i * B + b)
+  sorted_desc: jax.Array  # [K*B] the same values, descending
+  rank: jax.Array        # [K*B] int32 place of each entry in the tie-broken order
+
+
+def _rank(ranked: jax.Array) -> _Ranking:
+  B, K = ranked.shape
+  # Position-major flattening (index i * B + b) plus a stable sort on -survival gives
+  # exactly the tie order: larger survival, then lower position, then lower slot.
+  flat = ranked.T.reshape(-1)
+  order = jnp.argsort(-flat, stable=True)
+  rank = jnp.zeros((B * K,), jnp.int32).at[order].set(jnp.arange(B * K, dtype=jnp.int32))
+  return _Ranking(flat=flat, sorted_desc=flat[order], rank=rank)
+
+
+def _budget(ranking: _Ranking, cost: CostModel, num_active: jax.Array, K: int) -> jax.Array:
+  n = jnp.arange(ranking.flat.shape[0] + 1)
+  gains = jnp.cumsum(jnp.maximum(ranking.sorted_desc, 0.0))
+  expected = num_active + jnp.concatenate([jnp.zeros((1,)), gains])
+  draft = cost.draft_ms[jnp.minimum(num_active, cost.draft_ms.shape[0] - 1)]
+  tokens = num_active + n
+  verify = cost.verify_ms[jnp.minimum(tokens, cost.verify_ms.shape[0] - 1)]
+  throughput = expected / jnp.maximum(draft + verify, 1e-12)
+  valid = (n <= num_active * K) & (tokens < cost.verify_ms.shape[0])
+  valid = valid.at[0].set(True)
+  return jnp.argmax(jnp.where(valid, throughput, -jnp.inf)).astype(jnp.int32)
+
+
+def _allocation(ranking: _Ranking, budget: jax.Array, B: int, K: int) -> jax.Array:
+  chosen = (ranking.rank < budget) & (ranking.flat >= 0)
+  return chosen.reshape(K, B).T
+
+
+def _num_active(active, B):
+  return jnp.int32(B) if active is None else jnp.sum(active, dtype=jnp.int32)
+
+
 def choose_budget(survival: jax.typing.ArrayLike, cost: CostModel, *,
                   active: jax.typing.ArrayLike | None = None) -> jax.Array:
   """Number of draft tokens to verify this step, maximising expected throughput.
@@ -117,18 +156,8 @@ def choose_budget(survival: jax.typing.ArrayLike, cost: CostModel, *,
   """
   survival, active = _check_survival(survival, active)
   B, K = survival.shape
-  ranked = _ranked_survival(survival, active)
-  num_active = jnp.int32(B) if active is None else jnp.sum(active, dtype=jnp.int32)
-  flat = -jnp.sort(-ranked.reshape(-1))
-  n = jnp.arange(B * K + 1)
-  expected = num_active + jnp.concatenate([jnp.zeros((1,)), jnp.cumsum(jnp.maximum(flat, 0.0))])
-  draft = cost.draft_ms[jnp.minimum(num_active, cost.draft_ms.shape[0] - 1)]
-  tokens = num_active + n
-  verify = cost.verify_ms[jnp.minimum(tokens, cost.verify_ms.shape[0] - 1)]
-  throughput = expected / jnp.maximum(draft + verify, 1e-12)
-  valid = (n <= num_active * K) & (tokens < cost.verify_ms.shape[0])
-  valid = valid.at[0].set(True)
-  return jnp.argmax(jnp.where(valid, throughput, -jnp.inf)).astype(jnp.int32)
+  ranking = _rank(_ranked_survival(survival, active))
+  return _budget(ranking, cost, _num_active(active, B), K)
 
 
 def allocate(survival: jax.typing.ArrayLike, budget: jax.typing.ArrayLike, *,
@@ -153,14 +182,31 @@ def allocate(survival: jax.typing.ArrayLike, budget: jax.typing.ArrayLike, *,
   _checks.rank("budget", budget, 0)
   _checks.integer("budget", budget)
   B, K = survival.shape
-  ranked = _ranked_survival(survival, active)
-  # Position-major flattening (index i * B + b) plus a stable sort on -survival gives
-  # exactly the tie order: larger survival, then lower position, then lower slot.
-  flat = ranked.T.reshape(-1)
-  order = jnp.argsort(-flat, stable=True)
-  rank = jnp.zeros((B * K,), jnp.int32).at[order].set(jnp.arange(B * K, dtype=jnp.int32))
-  chosen = (rank < budget) & (flat >= 0)
-  return chosen.reshape(K, B).T
+  return _allocation(_rank(_ranked_survival(survival, active)), budget, B, K)
+
+
+def budget_and_allocation(survival: jax.typing.ArrayLike, cost: CostModel, *,
+                          active: jax.typing.ArrayLike | None = None,
+                          budget: jax.typing.ArrayLike | None = None
+                          ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """`choose_budget` and `allocate` from one shared sort (the planner's hot path).
+
+  Args:
+    survival: `[B, K]` survivals.
+    cost: a `CostModel`.
+    active: optional `[B]` bool.
+    budget: the budget to allocate; None allocates this step's own optimal budget.
+
+  Returns:
+    `(optimal_budget [] int32, used_budget [] int32, mask [B, K] bool)`: the budget these
+    survivals call for, the budget the mask was allocated with, and the mask.
+  """
+  survival, active = _check_survival(survival, active)
+  B, K = survival.shape
+  ranking = _rank(_ranked_survival(survival, active))
+  optimal = _budget(ranking, cost, _num_active(active, B), K)
+  used = optimal if budget is None else jnp.asarray(budget, jnp.int32)
+  return optimal, used, _allocation(ranking, used, B, K)
 
 
 def num_verified_from_mask(mask: jax.Array) -> jax.Array:

@@ -172,3 +172,19 @@ def test_logit_qmax_long_vocabulary_chunked_path(maybe_jit, temperature):
   rows[5, 12345] = 1.0                                   # one-hot through -inf
   got = np.asarray(maybe_jit(lambda l: av_jax.logit_qmax(l, temperature=temperature))(rows))
   np.testing.assert_allclose(got, _ref_logit_qmax(rows, temperature), rtol=3e-5, atol=3e-5)
+
+
+@pytest.mark.parametrize("V", [8, 3 * 8192])
+def test_logit_qmax_fused_with_its_producer_under_jit(V):
+  """Regression: when the logits are produced inside the same jit (here by the PRNG),
+  XLA recomputes them in each reduction with possibly different rounding; the feature
+  must not depend on bitwise-identical recomputation."""
+  key = jax.random.key(3, impl="rbg")
+
+  def produce_and_score(k):
+    return av_jax.logit_qmax(jax.random.normal(k, (8, 3, V)) * 2.0)
+
+  keys = jax.random.split(key, 16)
+  got = jax.jit(jax.vmap(produce_and_score))(keys)
+  logits = jax.vmap(lambda k: jax.random.normal(k, (8, 3, V)) * 2.0)(keys)
+  np.testing.assert_allclose(got, av_jax.logit_qmax(np.asarray(logits)), rtol=1e-4, atol=1e-4)

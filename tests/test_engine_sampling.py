@@ -68,7 +68,7 @@ def test_generated_tokens_follow_target_distribution(kind, mode, top_p):
                                         refit_interval=4, explore_every=2),
                          cfg, drafter)
   result = E.generate(engine, params, [PROMPT] * NUM_REQUESTS, max_new_tokens=3,
-                      key=jax.random.key(11, impl="rbg"))
+                      key=fx.key(11))
   tokens = np.array([c.tokens for c in result.completions])
   assert tokens.shape == (NUM_REQUESTS, 3)
   if mode != "target_only":

@@ -265,7 +265,7 @@ def test_autoregressive_cached_equals_uncached_across_steps(kind):
       chex.assert_trees_all_close(rec.draft_logits[s, i], ref, atol=2e-4)
 
 
-@pytest.mark.parametrize("kind", models.KINDS)
+@pytest.mark.parametrize("kind", ["draft_lm", "eagle", "block"])  # block_head drafts as block
 def test_greedy_speculative_equals_greedy_target(kind):
   prompt = _tokens((ROLL_B, ROLL_P), 31)
   rec = _rollout(kind, None, prompt, jax.random.key(0), 0.0)
@@ -332,6 +332,16 @@ def test_tiny_trains_end_to_end_loads_drafts_and_guards_hashes(tmp_path):
                                pipeline.heldout_windows(CFG, pair.tokenizer, "code"),
                                cfg=CFG.target, batch=min(16, CFG.measure.eval_windows))
   assert abs(loss - summary["heldout_loss"]["code"]) < 1e-4
+
+  # Retraining one part reuses the tokenizer and target on disk and keeps the summary.
+  before = checkpoint.read(checkpoint.path_of(out, "tiny", "target")).params
+  again = pipeline.train_all(CFG, out, progress=False, log=lambda *_: None,
+                             only=("block_head",))
+  assert set(again["retrained"]) == {"block_head"} and again["heldout_loss"] == summary[
+      "heldout_loss"]
+  chex.assert_trees_all_equal(checkpoint.read(checkpoint.path_of(out, "tiny", "target")).params,
+                              before)
+  models.load("tiny", drafter="block_head", directory=out)
 
   # A checkpoint written under another config is refused; the others still load.
   other = dataclasses.replace(CFG, seed=CFG.seed + 1)

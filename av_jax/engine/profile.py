@@ -39,7 +39,7 @@ def measure(engine: core.Engine, params: core.Params, *, repeats: int = 5) -> di
   """Times every verify bucket and the drafter; returns a JSON-able profile."""
   cfg, models = engine.config, engine.models
   B, K, M = cfg.num_slots, cfg.max_draft, cfg.max_len
-  state = core.init_state(engine, params, jax.random.PRNGKey(0))
+  state = core.init_state(engine, params, jax.random.key(0, impl="rbg"))
 
   def verify(target_params, cache, tokens, slot, positions, valid):
     return transformer.forward_packed(target_params, tokens, slot=slot, positions=positions,
@@ -58,7 +58,7 @@ def measure(engine: core.Engine, params: core.Params, *, repeats: int = 5) -> di
   draft = jax.jit(lambda dp, tp, ds, key: engine.drafter.draft(
       dp, tp, ds, key, K=K, temperature=cfg.temperature, top_p=cfg.top_p).logits)
   draft_ms = _median_ms(draft, params.drafter, params.target, state.drafter,
-                        jax.random.PRNGKey(0), repeats=repeats)
+                        jax.random.key(1, impl="rbg"), repeats=repeats)
   return dict(device_kind=jax.devices()[0].device_kind, buckets=list(engine.buckets),
               bucket_ms=bucket_ms, draft_ms=draft_ms, repeats=repeats)
 

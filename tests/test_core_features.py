@@ -188,3 +188,18 @@ def test_logit_qmax_fused_with_its_producer_under_jit(V):
   got = jax.jit(jax.vmap(produce_and_score))(keys)
   logits = jax.vmap(lambda k: jax.random.normal(k, (8, 3, V)) * 2.0)(keys)
   np.testing.assert_allclose(got, av_jax.logit_qmax(np.asarray(logits)), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("top_p", [0.05, 0.5, 0.9, 0.95, 0.999])
+def test_top_p_bisection_equals_sort_definition(maybe_jit, top_p):
+  rng = np.random.default_rng(int(top_p * 1000))
+  logits = np.concatenate([
+      rng.normal(size=(30, 300)) * rng.uniform(0.1, 8.0, size=(30, 1)),
+      np.round(rng.normal(size=(10, 300)), 1),           # many exact ties
+      np.full((2, 300), 1.0),                             # uniform
+  ]).astype(np.float32)
+  log_probs = jax.nn.log_softmax(jnp.asarray(logits))
+  got = maybe_jit(lambda lp: F._top_p_mask(lp, jnp.float32(top_p)))(log_probs)
+  want = F._top_p_mask_by_sort(log_probs, jnp.float32(top_p))
+  np.testing.assert_array_equal(got, want)
+  assert np.all(np.asarray(got).sum(-1) >= 1)

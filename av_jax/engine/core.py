@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from av_jax.estimator import EstimatorState, online_estimator
-from av_jax.features import logit_qmax
+from av_jax.features import logit_qmax, sampling_log_probs
 from av_jax.models import transformer
 from av_jax.models.config import ModelsConfig
 from av_jax.models.drafters import Drafter, DrafterState
@@ -353,7 +353,15 @@ def step(engine: Engine, params: Params, state: DecodeState) -> tuple[DecodeStat
                                temperature=cfg.temperature, top_p=cfg.top_p)
   finite = jnp.all(jnp.isfinite(draft.logits), axis=(1, 2))
   draft_logits = jnp.where(finite[:, None, None], draft.logits, 0.0)
-  features = logit_qmax(draft_logits, temperature=cfg.temperature, top_p=cfg.top_p)
+  # One top-p pass serves both the feature (filtered entries are -inf, so logit_qmax of
+  # the log-probs is the feature of the sampled distribution) and q for verification.
+  draft_log_probs = sampling_log_probs(draft_logits, temperature=cfg.temperature,
+                                       top_p=cfg.top_p)
+  features = logit_qmax(draft_log_probs)
+  if cfg.greedy:  # greedy drafting: q is the point mass on the arg-max
+    draft_probs = jax.nn.one_hot(jnp.argmax(draft_logits, -1), draft_logits.shape[-1])
+  else:
+    draft_probs = jnp.exp(draft_log_probs)
   conf = (jax.nn.sigmoid(draft.conf_logits) if draft.conf_logits is not None
           else jnp.zeros((B, K), jnp.float32))
   if cfg.mode == "av_head":
@@ -374,7 +382,6 @@ def step(engine: Engine, params: Params, state: DecodeState) -> tuple[DecodeStat
   target_logits, target_hidden, target_cache, bucket = _verify_packed(
       engine, params.target, state.target_cache, tokens=verify_tokens, positions=positions,
       valid=valid)
-  draft_probs = sampling_probs(draft_logits, temperature=cfg.temperature, top_p=cfg.top_p)
   target_probs = sampling_probs(target_logits, temperature=cfg.temperature, top_p=cfg.top_p)
   result = rejection_sample(k_verify, draft_probs=draft_probs, draft_tokens=draft.tokens,
                             target_probs=target_probs, num_verified=num_verified)

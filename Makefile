@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m av_jax.demo
+	$(PY) -m av_jax.cli demo
 
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 tests

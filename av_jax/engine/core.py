@@ -431,7 +431,7 @@ def step(engine: Engine, params: Params, state: DecodeState) -> tuple[DecodeStat
       target_cache=target_cache, drafter=drafter_state, tokens=tokens,
       length=state.length + n, active=active & ~done, estimator=estimator,
       planner=planner_state, key=key, stats=stats)
-  info = StepInfo(budget=plan.budget, verified=jnp.sum(verified_count), emitted=jnp.sum(n),
+  info = StepInfo(budget=jnp.minimum(plan.budget, B * K), verified=jnp.sum(verified_count), emitted=jnp.sum(n),
                   bucket=bucket, active=jnp.sum(active, dtype=jnp.int32), features=features,
                   probs=probs, conf=conf, accepted=result.accepted, labeled=labeled,
                   slot_active=active)

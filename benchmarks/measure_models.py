@@ -20,6 +20,7 @@ import datetime
 import json
 import os
 import platform
+import sys
 import time
 
 import jax
@@ -34,9 +35,9 @@ from av_jax.models import evaluate
 SETTINGS = (("sampled", 1.0), ("greedy", 0.0))
 
 
-def measure(name: str, directory: str | None) -> dict:
-  pairs = {k: models.load(name, drafter=k, directory=directory) for k in models.KINDS}
-  cfg = pairs["draft_lm"].cfg
+def measure(name: str, directory: str | None, kinds=models.KINDS) -> dict:
+  pairs = {k: models.load(name, drafter=k, directory=directory) for k in kinds}
+  cfg = next(iter(pairs.values())).cfg
   mc = cfg.measure
   out = {"drafters": {}, "head_auc": {}}
   for kind, pair in pairs.items():
@@ -68,6 +69,9 @@ def measure(name: str, directory: str | None) -> dict:
               "head_by_position": [evaluate.auc(conf[pos == i], y[pos == i])
                                    for i in range(mc.K)],
               "_raw": (conf.tolist(), feat.tolist(), y.tolist())}
+  if not out["head_auc"]:
+    out["cfg"] = cfg
+    return out
   raw = [v.pop("_raw") for v in out["head_auc"].values()]
   conf = np.concatenate([r[0] for r in raw])
   feat = np.concatenate([r[1] for r in raw])
@@ -93,6 +97,8 @@ def write_markdown(path: str, name: str, res: dict, summary: dict, command: str,
       "",
       "```",
       f"python benchmarks/train_models.py --config {name}",
+      *[f"python benchmarks/train_models.py --config {name} --only {k}"
+        for k in summary.get("retrained", {})],
       command,
       "```",
       "",
@@ -104,6 +110,8 @@ def write_markdown(path: str, name: str, res: dict, summary: dict, command: str,
       f"{summary['timings']['target_s'] / 60:.1f}, drafters "
       f"{summary['timings']['drafters_s'] / 60:.1f}, head {summary['timings']['head_s'] / 60:.1f}"
       " min) on the same machine, which was shared with other jobs while training.",
+      *[f"Then `--only {k}` retrained {k} in {t['total_s'] / 60:.1f} min."
+        for k, t in summary.get("retrained", {}).items()],
       "",
       "## Sizes",
       "",
@@ -144,6 +152,15 @@ def write_markdown(path: str, name: str, res: dict, summary: dict, command: str,
     for kind in models.KINDS:
       for wl, st in res["drafters"][kind][setting].items():
         lines.append(f"| {kind} | {wl} | " + " | ".join(_fmt(a) for a in st["survival"]) + " |")
+  lines += ["", "## Against the goals", "",
+            "Position-1 acceptance (temperature 1, top-p) per workload, sorted, and whether the "
+            "survival falls with depth everywhere:", ""]
+  for kind in models.KINDS:
+    sampled = res["drafters"][kind]["sampled"]
+    order = sorted(sampled, key=lambda w: sampled[w]["acceptance"][0])
+    p1 = ", ".join(f"{w} {sampled[w]['acceptance'][0]:.2f}" for w in order)
+    falls = all(np.all(np.diff(st["survival"]) <= 0) for st in sampled.values())
+    lines.append(f"* `{kind}`: {p1}; survival non-increasing: {falls}.")
   lines += ["", "## Confidence head (`block_head`) on held-out labels", "",
             f"AUC of the head's logits against accept/reject labels of the sampled setting "
             f"above (held-out prompts; the head was trained on labels from train-split "
@@ -167,16 +184,38 @@ def main() -> None:
   parser.add_argument("--dir", default=None, help="checkpoint directory (default: assets)")
   parser.add_argument("--out", default="MODELS.md")
   parser.add_argument("--json", default=None, help="also write the raw figures here")
+  parser.add_argument("--from-json", default=None,
+                      help="start from figures saved by --json: rewrite the markdown, or with "
+                           "--kinds re-measure just those drafters and merge")
+  parser.add_argument("--kinds", default=None, help="comma-separated drafter kinds to measure")
   args = parser.parse_args()
   t0 = time.time()
-  res = measure(args.config, args.dir)
+  kinds = tuple(args.kinds.split(",")) if args.kinds else models.KINDS
+  res = {}
+  if args.from_json:
+    with open(args.from_json, encoding="utf-8") as f:
+      res = json.load(f)
+    res["cfg"] = models.load(args.config, directory=args.dir).cfg
+  if not args.from_json or args.kinds:
+    new = measure(args.config, args.dir, kinds)
+    if res:
+      res["drafters"].update(new["drafters"])
+      if new["head_auc"]:
+        res["head_auc"] = new["head_auc"]
+      res["seconds"] = res.get("seconds", 0.0) + time.time() - t0
+    else:
+      res = new
   summary = models.load_summary(args.config, directory=args.dir)
-  command = "python benchmarks/measure_models.py --config " + args.config + (
-      f" --dir {args.dir}" if args.dir else "")
-  write_markdown(args.out, args.config, res, summary, command, time.time() - t0)
+  if not args.from_json or args.kinds:  # a pure markdown rewrite measured nothing
+    res["commands"] = res.get("commands", []) + [
+        " ".join(["python", "benchmarks/measure_models.py"] + sys.argv[1:])]
+  command = "\n".join(res["commands"])
+  write_markdown(args.out, args.config, res, summary, command,
+                 res.get("seconds", time.time() - t0))
   if args.json:
     with open(args.json, "w", encoding="utf-8") as f:
-      json.dump({k: v for k, v in res.items() if k != "cfg"}, f, indent=1)
+      json.dump({"seconds": time.time() - t0,
+                 **{k: v for k, v in res.items() if k != "cfg"}}, f, indent=1)
   print(f"wrote {args.out}")
 
 

@@ -24,11 +24,15 @@ def main() -> None:
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--config", default="default", help="configs/models/<name>.toml")
   parser.add_argument("--out", default=None, help="output directory (default: av_jax/assets)")
+  parser.add_argument("--only", default=None,
+                      help="comma-separated drafter kinds to retrain, reusing the tokenizer "
+                           "and target in --out (e.g. block,block_head)")
   args = parser.parse_args()
   cfg = load_config(args.config)
   out = args.out or assets_dir()
   t0 = time.time()
-  summary = pipeline.train_all(cfg, out, progress=True)
+  only = tuple(args.only.split(",")) if args.only else None
+  summary = pipeline.train_all(cfg, out, progress=True, only=only)
   wall = time.time() - t0
   print("\n=== summary ===")
   print(f"config {cfg.name} -> {out}   wall time {wall / 60:.1f} min on "

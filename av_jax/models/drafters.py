@@ -122,7 +122,10 @@ class BlockDrafter(nn.Module):
   def __call__(self, embedding, hidden, tokens):
     e = embedding[tokens] * math.sqrt(self.d_model)
     ctx = nn.Dense(self.d_model, use_bias=False, name="fc")(jnp.concatenate([hidden, e], -1))
-    slots = self.param("slot_embed", nn.initializers.normal(0.02),
+    # Unit scale, like the context vector: with a small init every slot starts as the same
+    # function of the context and slot 1 learns a blend of all depths (measured: position-1
+    # acceptance 0.2-0.4 with stddev 0.02).
+    slots = self.param("slot_embed", nn.initializers.normal(1.0),
                        (self.cfg.block_size + 1, self.d_model))
     x = ctx[..., None, :] + slots  # [..., K_max+1, D]
     for i in range(self.cfg.num_layers):

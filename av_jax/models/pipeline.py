@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from typing import Any
@@ -11,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from av_jax.data import workloads
-from av_jax.data.tokenizer import train_tokenizer
+from av_jax.data.tokenizer import from_json, train_tokenizer
 from av_jax.models import checkpoint, evaluate, train, transformer
 from av_jax.models.config import ModelsConfig, config_hash, to_dict
 from av_jax.models.drafters import init_drafter_params, make_drafter
@@ -67,9 +68,21 @@ def collect_head_labels(cfg: ModelsConfig, tokenizer, target_params, block_param
   return {k: np.concatenate(v) for k, v in out.items()}
 
 
-def train_all(cfg: ModelsConfig, out_dir: str, *, progress: bool = True,
-              log=print) -> dict[str, Any]:
+DRAFTER_ORDER = ("draft_lm", "eagle", "block")  # order of the drafters' init keys
+
+
+def train_all(cfg: ModelsConfig, out_dir: str, *, progress: bool = True, log=print,
+              only: tuple[str, ...] | None = None) -> dict[str, Any]:
   """Trains every model of `cfg` and writes tokenizer, checkpoints and a summary to `out_dir`.
+
+  Args:
+    cfg: the model set config.
+    out_dir: output directory.
+    progress: show tqdm bars.
+    log: where progress lines go.
+    only: retrain just these drafter kinds, reusing the tokenizer and target already in
+      `out_dir` (every drafter has its own init key, batches and clipping, so the result
+      equals that of a full run). `block_head` needs `block` (retrained or on disk).
 
   Returns:
     The summary (also written to `{out_dir}/{cfg.name}_summary.json`).
@@ -77,15 +90,22 @@ def train_all(cfg: ModelsConfig, out_dir: str, *, progress: bool = True,
   os.makedirs(out_dir, exist_ok=True)
   t_start = time.time()
   timings = {}
+  summary_path = os.path.join(out_dir, f"{cfg.name}_summary.json")
 
   t0 = time.time()
-  tokenizer = train_tokenizer(_tokenizer_texts(cfg), vocab_size=cfg.tokenizer_vocab)
+  tok_path = os.path.join(out_dir, f"tokenizer_{cfg.name}.json")
+  if only:
+    with open(tok_path, encoding="utf-8") as f:
+      tok_json = f.read()
+    tokenizer = from_json(tok_json)
+  else:
+    tokenizer = train_tokenizer(_tokenizer_texts(cfg), vocab_size=cfg.tokenizer_vocab)
+    tok_json = tokenizer.to_json()
+    with open(tok_path, "w", encoding="utf-8") as f:
+      f.write(tok_json)
   if tokenizer.vocab_size != cfg.target.vocab_size:
     raise ValueError(f"tokenizer learnt {tokenizer.vocab_size} tokens, config says "
                      f"{cfg.target.vocab_size}; lower tokenizer_vocab or add text")
-  tok_json = tokenizer.to_json()
-  with open(os.path.join(out_dir, f"tokenizer_{cfg.name}.json"), "w", encoding="utf-8") as f:
-    f.write(tok_json)
   streams = {n: workloads.token_stream(n, "train", tokenizer=tokenizer, config=cfg.data)
              for n in workloads.list_workloads()}
   timings["tokenizer_and_data_s"] = time.time() - t0
@@ -100,13 +120,18 @@ def train_all(cfg: ModelsConfig, out_dir: str, *, progress: bool = True,
   # Target.
   t0 = time.time()
   key = jax.random.key(cfg.seed)
-  k_target, k_drafters, k_head = jax.random.split(key, 3)
-  params = transformer.init_params(cfg.target, k_target)
-  params, target_hist = train.fit(
-      lambda p, b: train.target_loss(p, b, cfg=cfg), params, cfg.train_target,
-      batches(cfg.train_target, 1), desc="target", disable_bar=not progress)
-  target_params = jax.tree.map(jnp.asarray, checkpoint.round_params(params))
-  timings["target_s"] = time.time() - t0
+  k_target, k_drafters, _ = jax.random.split(key, 3)
+  if only:
+    target_params = jax.tree.map(jnp.asarray, checkpoint.read(
+        checkpoint.path_of(out_dir, cfg.name, "target")).params)
+    target_hist = [(0, float("nan"))]
+  else:
+    params = transformer.init_params(cfg.target, k_target)
+    params, target_hist = train.fit(
+        lambda p, b: train.target_loss(p, b, cfg=cfg), params, cfg.train_target,
+        batches(cfg.train_target, 1), desc="target", disable_bar=not progress)
+    target_params = jax.tree.map(jnp.asarray, checkpoint.round_params(params))
+    timings["target_s"] = time.time() - t0
   losses = heldout_losses(target_params, cfg, tokenizer)
   log(f"target held-out loss: { {k: round(v, 4) for k, v in losses.items()} }")
   tok_hash = checkpoint.tokenizer_hash(tok_json)
@@ -118,45 +143,62 @@ def train_all(cfg: ModelsConfig, out_dir: str, *, progress: bool = True,
       meta["heldout_loss"] = losses
     return checkpoint.save(checkpoint.path_of(out_dir, cfg.name, part), p, meta)
 
-  save_part("target", target_params)  # early, so a later failure keeps the target
+  if not only:
+    save_part("target", target_params)  # early, so a later failure keeps the target
 
   # Drafters, distilled jointly (one teacher forward per batch).
   t0 = time.time()
-  keys = jax.random.split(k_drafters, 3)
-  dparams = {kind: init_drafter_params(kind, cfg, k)
-             for kind, k in zip(("draft_lm", "eagle", "block"), keys)}
-  dparams, drafter_hist = train.fit(
-      lambda p, b: train.drafter_losses(p, target_params, b, cfg=cfg), dparams,
-      cfg.train_drafters, batches(cfg.train_drafters, 2), desc="drafters",
-      disable_bar=not progress)
-  dparams = jax.tree.map(jnp.asarray, checkpoint.round_params(dparams))
+  keys = dict(zip(DRAFTER_ORDER, jax.random.split(k_drafters, 3)))
+  train_kinds = [k for k in DRAFTER_ORDER if not only or k in only]
+  dparams = {kind: init_drafter_params(kind, cfg, keys[kind]) for kind in train_kinds}
+  drafter_hist = [(0, float("nan"))]
+  if dparams:
+    dparams, drafter_hist = train.fit(
+        lambda p, b: train.drafter_losses(p, target_params, b, cfg=cfg), dparams,
+        cfg.train_drafters, batches(cfg.train_drafters, 2), desc="drafters",
+        disable_bar=not progress, optimizer=train.make_per_model_optimizer(cfg.train_drafters))
+    dparams = jax.tree.map(jnp.asarray, checkpoint.round_params(dparams))
   timings["drafters_s"] = time.time() - t0
 
   # Confidence head on labels from verification of train-split prompts.
   t0 = time.time()
-  labels = collect_head_labels(cfg, tokenizer, target_params, dparams["block"], split="train",
-                               seed=cfg.seed)
-  head_params = train.fit_confidence_head(
-      dparams["block"], target_params, labels["hidden"], labels["token"], labels["labels"],
-      labels["mask"], cfg=cfg, steps=cfg.train_head.train_steps, lr=cfg.train_head.lr,
-      batch=cfg.train_head.batch, seed=cfg.seed)
-  dparams["block_head"] = jax.tree.map(jnp.asarray, checkpoint.round_params(head_params))
+  num_labels = 0
+  if not only or "block_head" in only:
+    block = dparams["block"] if "block" in dparams else jax.tree.map(
+        jnp.asarray, checkpoint.read(checkpoint.path_of(out_dir, cfg.name, "block")).params)
+    labels = collect_head_labels(cfg, tokenizer, target_params, block, split="train",
+                                 seed=cfg.seed)
+    head_params = train.fit_confidence_head(
+        block, target_params, labels["hidden"], labels["token"], labels["labels"],
+        labels["mask"], cfg=cfg, steps=cfg.train_head.train_steps, lr=cfg.train_head.lr,
+        batch=cfg.train_head.batch, seed=cfg.seed)
+    dparams["block_head"] = jax.tree.map(jnp.asarray, checkpoint.round_params(head_params))
+    num_labels = int(labels["mask"].sum())
   timings["head_s"] = time.time() - t0
 
   # Save.
   sizes, counts = {}, {}
-  for part, p in [("target", target_params)] + list(dparams.items()):
+  for part, p in ([] if only else [("target", target_params)]) + list(dparams.items()):
     sizes[part] = save_part(part, p)
     counts[part] = num_params(p)
   timings["total_s"] = time.time() - t_start
   summary = {
       "name": cfg.name, "heldout_loss": losses, "num_params": counts, "bytes": sizes,
-      "total_bytes": int(sum(sizes.values()) + len(tok_json.encode())),
-      "timings": timings, "head_labels": int(labels["mask"].sum()),
+      "timings": timings, "head_labels": num_labels,
       "final_train_loss": {"target": target_hist[-1][1], "drafters": drafter_hist[-1][1]},
       "jax_backend": jax.default_backend(), "cpu_count": os.cpu_count(),
   }
-  import json  # pylint: disable=g-import-not-at-top
-  with open(os.path.join(out_dir, f"{cfg.name}_summary.json"), "w", encoding="utf-8") as f:
+  if only:  # merge into the summary of the full run
+    with open(summary_path, encoding="utf-8") as f:
+      old = json.load(f)
+    for k in ("num_params", "bytes"):
+      summary[k] = {**old[k], **summary[k]}
+    summary["timings"] = old["timings"]
+    summary["retrained"] = {**old.get("retrained", {}),
+                            ",".join(only): {k: round(v, 1) for k, v in timings.items()}}
+    summary["head_labels"] = num_labels or old["head_labels"]
+    summary["final_train_loss"] = old["final_train_loss"]
+  summary["total_bytes"] = int(sum(summary["bytes"].values()) + len(tok_json.encode()))
+  with open(summary_path, "w", encoding="utf-8") as f:
     json.dump(summary, f, indent=2, sort_keys=True)
   return summary

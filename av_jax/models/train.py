@@ -34,14 +34,35 @@ def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
                      optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=tc.weight_decay))
 
 
+def make_per_model_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
+  """`make_optimizer` applied separately to every top-level entry of a dict of models.
+
+  Clipping is per model, so models trained jointly (one teacher forward for all) get the
+  same updates as if each were trained alone on the same batches.
+  """
+  def labels(params):
+    return {k: jax.tree.map(lambda _, k=k: k, v) for k, v in params.items()}
+
+  def tx(params):
+    return optax.multi_transform({k: make_optimizer(tc) for k in params}, labels)
+
+  def init(params):
+    return tx(params).init(params)
+
+  def update(updates, state, params=None):
+    return tx(updates).update(updates, state, params)
+
+  return optax.GradientTransformation(init, update)
+
+
 def fit(loss_fn: Callable, params, tc: TrainConfig, batch_fn: Callable, *, desc: str,
-        disable_bar: bool = False):
+        disable_bar: bool = False, optimizer: optax.GradientTransformation | None = None):
   """Runs `tc.steps` optimiser steps of `loss_fn(params, batch) -> (loss, metrics)`.
 
   Returns:
     `(params, history)` with history a list of `(step, loss)` every ~2% of training.
   """
-  opt = make_optimizer(tc)
+  opt = optimizer or make_optimizer(tc)
 
   @jax.jit
   def step(params, opt_state, batch):

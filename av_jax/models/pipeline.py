@@ -81,8 +81,9 @@ def train_all(cfg: ModelsConfig, out_dir: str, *, progress: bool = True, log=pri
     progress: show tqdm bars.
     log: where progress lines go.
     only: retrain just these drafter kinds, reusing the tokenizer and target already in
-      `out_dir` (every drafter has its own init key, batches and clipping, so the result
-      equals that of a full run). `block_head` needs `block` (retrained or on disk).
+      `out_dir` (every drafter has its own init key, batches and clipping, so this is a
+      full run's recipe for them, equal up to float reassociation). `block_head` needs
+      `block` (retrained or on disk).
 
   Returns:
     The summary (also written to `{out_dir}/{cfg.name}_summary.json`).

@@ -10,8 +10,6 @@ state, fit to accept/reject labels collected by running verification (`evaluate.
 
 from __future__ import annotations
 
-import functools
-import time
 from typing import Callable
 
 import jax
@@ -168,7 +166,6 @@ def fit_confidence_head(block_params, target_params, ctx_hidden, ctx_token, labe
                           for i in range(0, len(ctx_token), 256)])  # [N, K, D]
   rows = np.nonzero(mask)
   x = feats[rows]                                                # [L, D]
-  pos = rows[1]
   y = labels[rows].astype(np.float32)
   init = module.init(jax.random.key(seed), emb, jnp.zeros([1, cfg.target.d_model]),
                      jnp.zeros([1], jnp.int32))["params"]["conf_head"]
@@ -193,5 +190,4 @@ def fit_confidence_head(block_params, target_params, ctx_hidden, ctx_token, labe
   for _ in range(steps):
     i = rng.integers(0, len(y), size=min(batch, len(y)))
     head, state, _ = step(head, state, jnp.asarray(x[i]), jnp.asarray(y[i]))
-  del pos
   return {**block_params, "conf_head": head}

@@ -1,4 +1,6 @@
-"""Prototype of a faster exact `logit_qmax` for XLA:CPU (measured by overhead.py).
+"""HLO pass counting for overhead.py, and the history of the fused `logit_qmax`.
+
+The prototype described below is now the library's `logit_qmax`.
 
 Why. On XLA:CPU (jax 0.10) reductions are emitted as YNNPACK fusions, which take
 elementwise producers into the fusion only if every op is supported and has a single
@@ -30,58 +32,13 @@ import re
 import jax
 import jax.numpy as jnp
 
-from av_jax.features import FEATURE_CLIP, logit_qmax
+from av_jax.features import logit_qmax
 
-# (m - l) * _GAP_SCALE >= 1 for any nonzero float32 gap down to ~1e-38 (normal floats).
-_GAP_SCALE = 1e38
-# Chunk length: the fused max-then-sum stays in cache (see the module docstring).
-_CHUNK = 8192
-
-
-def _chunk_length(vocab: int) -> int:
-  """Largest divisor of V in [1024, _CHUNK], else V itself (one chunk)."""
-  if vocab <= _CHUNK:
-    return vocab
-  for c in range(_CHUNK, 1023, -1):
-    if vocab % c == 0:
-      return c
-  return vocab
-
-
-def logit_qmax_fused(logits, *, temperature=1.0, top_p=1.0) -> jax.Array:
-  """`logit_qmax` in two fused passes with no `[B, K, V]` temporary (same values).
-
-  Gaps are taken on the raw logits and divided by the temperature afterwards (the max
-  commutes with a positive scale), so the max entry gives exactly d = 0 even where XLA
-  recomputes `l / T` differently in two fusions (it does, with a reciprocal multiply).
-  """
-  if not (isinstance(top_p, (int, float)) and top_p >= 1.0):
-    return logit_qmax(logits, temperature=temperature, top_p=top_p)  # sort dominates
-  logits = jnp.asarray(logits, jnp.float32)
-  temp = jnp.asarray(temperature, jnp.float32)[..., None]
-  temp = jnp.where(temp > 0, temp, 1.0)                         # [..., 1]; <= 0: greedy
-  V = logits.shape[-1]
-  C = _chunk_length(V)
-  chunks = logits.reshape(*logits.shape[:-1], V // C, C)        # [..., N, C]
-  chunk_max = jnp.max(chunks, axis=-1)                          # [..., N]
-  # An all -inf chunk gets shift 0 so that it contributes exactly nothing (not NaN).
-  shift = jnp.where(chunk_max == -jnp.inf, 0.0, chunk_max)
-  d = (chunks - shift[..., None])[..., None, :]                 # [..., N, 1, C] <= 0
-  below = jnp.minimum(d * -_GAP_SCALE, 1.0)                     # 1 below the max, 0 at it
-  channel = jnp.array([[0.0], [1.0]], jnp.float32)              # rest | count at max
-  inv_t = (1.0 / temp)[..., None, None]
-  sums = jnp.sum(jnp.exp(d * inv_t) * below * (1.0 - channel) + (1.0 - below) * channel,
-                 axis=-1)
-  m = jnp.max(chunk_max, axis=-1, keepdims=True)
-  top = chunk_max == m                                          # chunks holding the row max
-  rescale = jnp.exp(jnp.where(top, 0.0, chunk_max - m) / temp)
-  rest = jnp.sum(sums[..., 0] * rescale + jnp.where(top, 0.0, sums[..., 1] * rescale), -1)
-  ties = jnp.sum(jnp.where(top, sums[..., 1], 0.0), axis=-1) - 1.0
-  fast = jnp.clip(-jnp.log(rest + ties), -FEATURE_CLIP, FEATURE_CLIP)
-  bad = jnp.isnan(fast)
-  return jax.lax.cond(jnp.any(bad),
-                      lambda: jnp.where(bad, logit_qmax(logits, temperature=temperature), fast),
-                      lambda: fast)
+# The fused prototype that lived here was adopted into `av_jax.features.logit_qmax`
+# (with gaps clamped at 0 so that a fused producer recomputed with different rounding
+# cannot break it). The name stays so overhead.py's `jax_fused` column remains
+# comparable with the first, pre-adoption runs recorded in BENCHMARKS.md.
+logit_qmax_fused = logit_qmax
 
 
 def hlo_passes(fn, shape) -> dict:

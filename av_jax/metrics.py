@@ -75,7 +75,6 @@ def ece(probs: jax.typing.ArrayLike, labels: jax.typing.ArrayLike,
   probs, labels, mask = _prepare(probs, labels, mask)
   bins = jnp.clip(jnp.floor(probs * num_bins).astype(jnp.int32), 0, num_bins - 1)
   w = mask.astype(jnp.float32)
-  count = jax.ops.segment_sum(w, bins, num_segments=num_bins)
   sum_prob = jax.ops.segment_sum(w * probs, bins, num_segments=num_bins)
   sum_label = jax.ops.segment_sum(w * labels, bins, num_segments=num_bins)
   # |mean_prob - mean_label| * n_j / n == |sum_prob - sum_label| / n.

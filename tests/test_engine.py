@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 
 from av_jax import engine as E
-from av_jax.engine import core
 from av_jax.engine import batching as G
 from tests import _engine_fixtures as fx
 

@@ -8,7 +8,6 @@ at p-value 1e-4 (a correct engine fails one run in 10,000 per check), cells with
 expected count below 5 merged.
 """
 
-import jax
 import numpy as np
 import pytest
 from scipy import stats

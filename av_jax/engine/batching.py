@@ -12,7 +12,6 @@ import functools
 from typing import Callable, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from av_jax.engine import core

@@ -311,7 +311,7 @@ def _verify_packed(engine: Engine, target_params, cache, *, tokens, positions, v
   Returns dense `[B, K+1, V]` logits and `[B, K+1, D]` hidden states (junk where not
   valid), the updated cache, and the bucket index.
   """
-  cfg, models = engine.config, engine.models
+  models = engine.models
   B, K1 = tokens.shape
   sizes = engine.buckets
   per_slot = jnp.sum(valid, axis=1)

@@ -219,3 +219,23 @@ def test_planner_does_not_retrace():
   for t in range(5):
     probs = jax.random.uniform(jax.random.PRNGKey(t), (B, K))
     plan, state = step(state, probs, jnp.arange(B) < 8 - t)
+
+
+def test_selection_and_planner_under_vmap():
+  """A batch of independent decisions (e.g. one per replica group) maps cleanly."""
+  rng = np.random.default_rng(11)
+  G, B, K = 4, 5, 3
+  cases = [_random_case(rng, B, K) for _ in range(G)]
+  surv = jnp.stack([c[0] for c in cases])
+  active = jnp.stack([c[1] for c in cases])
+  cost = _random_cost(rng, B, K)
+  budgets = jax.vmap(lambda s, a: av_jax.choose_budget(s, cost, active=a))(surv, active)
+  masks = jax.vmap(lambda s, b, a: av_jax.allocate(s, b, active=a))(surv, budgets, active)
+  for g in range(G):
+    assert int(budgets[g]) == _brute_budget(np.asarray(surv[g]), np.asarray(active[g]), cost)
+    np.testing.assert_array_equal(masks[g], _brute_allocate(np.asarray(surv[g]), int(budgets[g]),
+                                                            np.asarray(active[g])))
+  planner = av_jax.make_planner(cost, policy="current", explore_every=0)
+  probs = jnp.concatenate([surv[:, :, :1], surv[:, :, 1:] / surv[:, :, :-1]], axis=-1)
+  plans, _ = jax.vmap(lambda p, a: planner.plan(planner.init(), p, active=a))(probs, active)
+  np.testing.assert_array_equal(plans.mask, masks)

@@ -33,6 +33,7 @@ class GenerateResult:
   stats: dict[str, float]         # totals from the engine's running statistics
   infos: list[core.StepInfo]      # per-chunk step records (host numpy), if kept
   state: core.DecodeState | None = None  # the final (idle) state, to continue from
+  stopped: bool = False          # True when `stop_after_chunks` ended the run early
 
 
 def _prompt_bucket(length: int, max_prompt: int) -> int:
@@ -104,7 +105,9 @@ def generate(engine: core.Engine, params: core.Params, prompts: Sequence[Sequenc
              max_new_tokens: int | Sequence[int], key: jax.Array,
              cost: CostModel | None = None, keep_infos: bool = False,
              on_chunk: Callable[[core.DecodeState, core.StepInfo], None] | None = None,
-             state: core.DecodeState | None = None, mesh=None) -> GenerateResult:
+             state: core.DecodeState | None = None, mesh=None,
+             stop_after_chunks: int | None = None, checkpoint_path: str | None = None,
+             resume_from: str | None = None) -> GenerateResult:
   """Generates continuations of `prompts` with continuous batching.
 
   Args:
@@ -121,6 +124,13 @@ def generate(engine: core.Engine, params: core.Params, prompts: Sequence[Sequenc
     state: continue from this decode state instead of a fresh one (must be idle).
     mesh: a ('data', 'model') `jax.sharding.Mesh` (`av_jax.engine.sharding.make_mesh`):
       slots over 'data', heads and MLP width over 'model'. None runs on one device.
+    stop_after_chunks: end the run after this many chunks even if requests remain
+      (unfinished completions are None); with `checkpoint_path`, the decode state and the
+      queue are saved there first.
+    checkpoint_path: folder for the checkpoint written when `stop_after_chunks` stops.
+    resume_from: a checkpoint written that way; the run continues exactly where it
+      stopped (same prompts, limits and engine required), producing the tokens of an
+      uninterrupted run with the same key.
 
   Returns:
     A `GenerateResult`.
@@ -147,13 +157,22 @@ def generate(engine: core.Engine, params: core.Params, prompts: Sequence[Sequenc
       waiting.append(i)
   waiting.reverse()  # pop() serves requests in order
 
+  owner = [-1] * B  # request index held by each slot
   if state is None:
     state = init(params, key, core.default_cost(cfg) if cost is None else cost)
+  if resume_from is not None:
+    from av_jax.engine import checkpoint
+    state, extra = checkpoint.restore(resume_from, engine=engine, like=state)
+    if extra.get("num_requests") != len(prompts):
+      raise ValueError(f"resume_from: the checkpoint holds {extra.get('num_requests')} "
+                       f"requests, got {len(prompts)} prompts")
+    owner = list(extra["owner"])
+    waiting = list(extra["waiting"])
+    completions = [None if c is None else Completion(**c) for c in extra["completions"]]
   if mesh is not None:
     from av_jax.engine import sharding
     params, state = sharding.place(engine, mesh, params, state)
     prefill, chunk = compiled_sharded(engine, mesh, params, state)
-  owner = [-1] * B  # request index held by each slot
   infos = []
 
   def settle(state):
@@ -187,8 +206,19 @@ def generate(engine: core.Engine, params: core.Params, prompts: Sequence[Sequenc
         return state
 
   state = settle(state)
+  chunks = 0
+  stopped = False
   while any(o >= 0 for o in owner):
+    if stop_after_chunks is not None and chunks >= stop_after_chunks:
+      stopped = True
+      if checkpoint_path is not None:
+        from av_jax.engine import checkpoint
+        checkpoint.save(checkpoint_path, state, engine=engine, extra=dict(
+            num_requests=len(prompts), owner=owner, waiting=waiting,
+            completions=[None if c is None else dataclasses.asdict(c) for c in completions]))
+      break
     state, info = chunk(params, state)
+    chunks += 1
     if keep_infos:
       infos.append(jax.tree.map(np.asarray, info))
     if on_chunk is not None:
@@ -201,4 +231,5 @@ def generate(engine: core.Engine, params: core.Params, prompts: Sequence[Sequenc
                accepted=int(s.accepted_at.sum()), labeled=int(s.labeled_at.sum()),
                acceptance_at=(s.accepted_at / np.maximum(s.labeled_at, 1)).tolist(),
                bucket_hist=s.bucket_hist.tolist())
-  return GenerateResult(completions=completions, stats=stats, infos=infos, state=state)
+  return GenerateResult(completions=completions, stats=stats, infos=infos, state=state,
+                        stopped=stopped)

@@ -226,6 +226,17 @@ def _check_init(prompt, prompt_hidden, next_token):
   _checks.shape("next_token", next_token, prompt.shape[:1], "B")
 
 
+def _init_inputs(prompt, prompt_hidden, next_token, prompt_lens):
+  """Checked, typed `init_state` inputs; `lens [B]` defaults to the full prompt length."""
+  prompt, prompt_hidden = jnp.asarray(prompt), jnp.asarray(prompt_hidden)
+  next_token = jnp.asarray(next_token, jnp.int32)
+  _check_init(prompt, prompt_hidden, next_token)
+  batch, length = prompt.shape
+  lens = jnp.full([batch], length, jnp.int32) if prompt_lens is None else jnp.asarray(
+      prompt_lens, jnp.int32)
+  return prompt, prompt_hidden, next_token, lens
+
+
 # ------------------------------------------------------------------------------ draft_lm
 
 
@@ -235,12 +246,9 @@ def _make_draft_lm(cfg: ModelsConfig) -> Drafter:
   def init_state(params, target_params, *, prompt, prompt_hidden, next_token, K, max_len,
                  prompt_lens=None):
     del target_params
-    prompt, prompt_hidden = jnp.asarray(prompt), jnp.asarray(prompt_hidden)
-    next_token = jnp.asarray(next_token, jnp.int32)
-    _check_init(prompt, prompt_hidden, next_token)
+    prompt, prompt_hidden, next_token, lens = _init_inputs(prompt, prompt_hidden, next_token,
+                                                           prompt_lens)
     batch, length = prompt.shape
-    lens = jnp.full([batch], length, jnp.int32) if prompt_lens is None else jnp.asarray(
-        prompt_lens, jnp.int32)
     positions = jnp.broadcast_to(jnp.arange(length), prompt.shape)
     cache = transformer.init_cache(lm_cfg, batch, max_len)
     cache = transformer.forward(params, prompt, positions, cache, cfg=lm_cfg,
@@ -293,12 +301,9 @@ def _make_eagle(cfg: ModelsConfig) -> Drafter:
 
   def init_state(params, target_params, *, prompt, prompt_hidden, next_token, K, max_len,
                  prompt_lens=None):
-    prompt, prompt_hidden = jnp.asarray(prompt), jnp.asarray(prompt_hidden)
-    next_token = jnp.asarray(next_token, jnp.int32)
-    _check_init(prompt, prompt_hidden, next_token)
+    prompt, prompt_hidden, next_token, lens = _init_inputs(prompt, prompt_hidden, next_token,
+                                                           prompt_lens)
     batch, length = prompt.shape
-    lens = jnp.full([batch], length, jnp.int32) if prompt_lens is None else jnp.asarray(
-        prompt_lens, jnp.int32)
     cache = transformer.init_cache(one_layer, batch, max_len)
     # The pair (h_{t-1}, x_t) of sequence position t >= 1 lives at head position t - 1, so
     # every head-cache entry at or below a query's position is written (RoPE makes the
@@ -351,12 +356,9 @@ def _make_block(cfg: ModelsConfig, kind: str) -> Drafter:
   def init_state(params, target_params, *, prompt, prompt_hidden, next_token, K, max_len,
                  prompt_lens=None):
     del params, target_params, max_len
-    prompt, prompt_hidden = jnp.asarray(prompt), jnp.asarray(prompt_hidden)
-    next_token = jnp.asarray(next_token, jnp.int32)
-    _check_init(prompt, prompt_hidden, next_token)
+    prompt, prompt_hidden, next_token, lens = _init_inputs(prompt, prompt_hidden, next_token,
+                                                           prompt_lens)
     batch, length = prompt.shape
-    lens = jnp.full([batch], length, jnp.int32) if prompt_lens is None else jnp.asarray(
-        prompt_lens, jnp.int32)
     tokens, hidden = _pending_from_prompt(prompt_hidden, next_token, lens, K)
     return DrafterState(None, tokens, hidden, jnp.ones([batch], jnp.int32), lens)
 

@@ -8,6 +8,7 @@ batch verifies by maximising expected emitted tokens over measured step cost, an
 
 from __future__ import annotations
 
+import warnings
 from typing import NamedTuple
 
 import jax
@@ -30,6 +31,19 @@ class CostModel(NamedTuple):
 def make_cost_model(draft_ms, verify_ms, *, min_cost: float = 1e-6) -> CostModel:
   """Validates measured cost tables and makes them monotone (host-side, once).
 
+  Repairs are made with a `UserWarning` saying what was changed, so a broken profile is
+  visible instead of silently steering the budget:
+
+  * a table that falls somewhere (cost dropping as work grows, e.g. timing noise between
+    buckets) is replaced by its running maximum;
+  * a `verify_ms` entry for one or more tokens below `min_cost` is floored to it: a target
+    pass is never free, so a zero there is a failed or missing measurement.
+
+  Entries that may legitimately be zero are floored silently: `verify_ms[0]` (verifying
+  nothing) and `draft_ms` (a drafter can be free, e.g. prompt lookup). The floor keeps
+  every step cost positive, so the budget's throughput ratio never divides by zero.
+  Tables that are already monotone and positive pass unchanged and without a warning.
+
   Args:
     draft_ms: `[R_max + 1]` drafting cost for 0..R_max active requests.
     verify_ms: `[T_max + 1]` verification cost for 0..T_max verified tokens.
@@ -39,18 +53,45 @@ def make_cost_model(draft_ms, verify_ms, *, min_cost: float = 1e-6) -> CostModel
     A `CostModel` whose tables are running maxima (cost never falls as work grows).
 
   Raises:
-    ValueError: naming the table, if it is empty, not 1-D, or holds non-finite or
-      negative entries.
+    ValueError: naming the table, if it is missing (None), empty, not 1-D, or holds
+      non-finite or negative entries.
+
+  Example:
+    >>> cost = make_cost_model(np.full(5, 0.7), [0.0, 2.0, 2.1, 2.1, 3.0])  # no warning
   """
   tables = {}
   for name, table in (("draft_ms", draft_ms), ("verify_ms", verify_ms)):
+    if table is None:
+      raise ValueError(f"{name}: expected a non-empty 1-D cost table, got None")
     table = np.asarray(table, dtype=np.float64)
     if table.ndim != 1 or table.size == 0:
       raise ValueError(f"{name}: expected a non-empty 1-D table, got shape {table.shape}")
     if not np.all(np.isfinite(table)) or np.any(table < 0):
       raise ValueError(f"{name}: expected finite, non-negative costs, got {table}")
-    tables[name] = jnp.asarray(np.maximum.accumulate(np.maximum(table, min_cost)), jnp.float32)
+    if name == "verify_ms":
+      low = np.flatnonzero(table[1:] < min_cost) + 1
+      if low.size:
+        warnings.warn(
+            f"{name}: {low.size} entries for >= 1 verified tokens are below "
+            f"min_cost={min_cost:g} (at T = {_some(low)}); floored to {min_cost:g}. A target "
+            f"pass is never free: re-profile the costs.", stacklevel=2)
+    floored = np.maximum(table, min_cost)
+    repaired = np.maximum.accumulate(floored)
+    fallen = np.flatnonzero(repaired > floored)
+    if fallen.size:
+      worst = int(fallen[np.argmax(repaired[fallen] - floored[fallen])])
+      warnings.warn(
+          f"{name}: not monotone, the cost falls as work grows at {fallen.size} entries "
+          f"{_some(fallen)} (worst: entry {worst} is {floored[worst]:g}, below an earlier "
+          f"{repaired[worst]:g}); repaired to the running maximum.", stacklevel=2)
+    tables[name] = jnp.asarray(repaired, jnp.float32)
   return CostModel(**tables)
+
+
+def _some(indices: np.ndarray, limit: int = 5) -> str:
+  """`[i, j, ...]` of the first `limit` indices, for a warning message."""
+  shown = ", ".join(str(int(i)) for i in indices[:limit])
+  return f"[{shown}{', ...' if indices.size > limit else ''}]"
 
 
 def linear_cost_model(max_requests: int, max_tokens: int, *, draft_fixed: float = 1.0,

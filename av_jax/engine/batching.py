@@ -3,6 +3,11 @@
 The device runs `run_chunk` (a `lax.scan` of decode steps) with no host transfer inside.
 Between chunks the host reads the slots' active flags and lengths (one small transfer),
 collects finished requests, and prefills waiting requests into the freed slots.
+
+With a mesh spanning several processes (`av_jax.engine.distributed`) every process runs
+this same loop: the host reads gather the slot-sharded arrays to every process
+(`distributed.fetch`), so all processes take the same decisions, and the host inputs
+(prompt, slot, limits) enter the jitted functions as replicated arguments.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import jax
 import numpy as np
 
 from av_jax.engine import core
+from av_jax.engine import distributed
 from av_jax.selection import CostModel
 
 
@@ -178,14 +184,14 @@ def generate(engine: core.Engine, params: core.Params, prompts: Sequence[Sequenc
   def settle(state):
     """Collects finished slots and refills free ones until nothing changes."""
     while True:
-      active = np.asarray(state.active)
+      active = distributed.fetch(state.active)
       changed = False
       lengths = prompt_lens = tokens = None
       for b in range(B):
         if owner[b] >= 0 and not active[b]:
           if tokens is None:
-            tokens, lengths, prompt_lens = (np.asarray(x) for x in
-                                            (state.tokens, state.length, state.prompt_len))
+            tokens, lengths, prompt_lens = distributed.fetch(
+                (state.tokens, state.length, state.prompt_len))
           i = owner[b]
           out = tokens[b, prompt_lens[b]:lengths[b]].tolist()
           reason = "eos" if out and out[-1] == cfg.eos_id else "length"
@@ -220,12 +226,12 @@ def generate(engine: core.Engine, params: core.Params, prompts: Sequence[Sequenc
     state, info = chunk(params, state)
     chunks += 1
     if keep_infos:
-      infos.append(jax.tree.map(np.asarray, info))
+      infos.append(distributed.fetch(info))
     if on_chunk is not None:
       on_chunk(state, info)
     state = settle(state)
 
-  s = jax.tree.map(np.asarray, state.stats)
+  s = distributed.fetch(state.stats)
   stats = dict(steps=int(s.steps), emitted=int(s.emitted), verified=int(s.verified),
                drafted=int(s.drafted), nonfinite=int(s.nonfinite),
                accepted=int(s.accepted_at.sum()), labeled=int(s.labeled_at.sum()),

@@ -14,6 +14,10 @@ The estimator's round statistics are sums over all slots. Under `jax.jit` the co
 inserts the cross-'data' reduction itself, so every replica holds bit-identical
 coefficients after each refit (replicas that disagreed on the budget would deadlock a
 real deployment). Inside `jax.shard_map` code, pass `axis_name='data'` to `est.update`.
+
+The mesh may span several processes (JAX's multi-controller runtime,
+`av_jax.engine.distributed`): `place` then builds each global array from the host value
+every process holds, each process writing only its own devices' shards.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -105,10 +110,46 @@ def check_divisible(engine: core.Engine, mesh: Mesh) -> None:
                        f"size {model}")
 
 
+def _put_global(x: Any, target: NamedSharding) -> jax.Array:
+  """One leaf as a global array with sharding `target` on a mesh spanning processes.
+
+  `jax.device_put` refuses host-local jax arrays and typed PRNG keys for non-addressable
+  shardings and checks other inputs with one cross-process gather per leaf; here every
+  process already holds the same value, so each writes its addressable shards from it.
+  """
+  if isinstance(x, jax.Array) and not x.is_fully_addressable:
+    return x if x.sharding == target else jax.device_put(x, target)
+  if jax.dtypes.issubdtype(getattr(x, "dtype", np.float32), jax.dtypes.prng_key):
+    data = _put_global(jax.random.key_data(x), target)
+    return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
+  host = np.asarray(x)
+  return jax.make_array_from_callback(host.shape, target, lambda index: host[index])
+
+
+def put(tree: Any, shardings: Any) -> Any:
+  """`jax.device_put(tree, shardings)` that also works when the mesh spans processes.
+
+  Args:
+    tree: a pytree of arrays, the same values in every process.
+    shardings: a matching pytree of `NamedSharding` (None subtrees allowed).
+
+  Returns:
+    The tree as (global) arrays with those shardings.
+  """
+  leaves = jax.tree.leaves(shardings)
+  if all(s.is_fully_addressable for s in leaves):
+    return jax.device_put(tree, shardings)
+  return jax.tree.map(_put_global, tree, shardings)
+
+
 def place(engine: core.Engine, mesh: Mesh, params: core.Params,
           state: core.DecodeState) -> tuple[core.Params, core.DecodeState]:
-  """Puts parameters and a decode state on the mesh with their shardings."""
+  """Puts parameters and a decode state on the mesh with their shardings.
+
+  Works for a mesh within one process and for a global mesh spanning processes (every
+  process then passes the same `params` and `state`).
+  """
   check_divisible(engine, mesh)
-  params = jax.device_put(params, param_shardings(mesh, params))
-  state = jax.device_put(state, state_shardings(mesh, state))
+  params = put(params, param_shardings(mesh, params))
+  state = put(state, state_shardings(mesh, state))
   return params, state

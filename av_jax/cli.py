@@ -1,8 +1,10 @@
-"""`av-jax` command line: generate (streaming), profile (cost tables), demo (main job).
+"""`av-jax` command line: generate (streaming), profile (cost tables), demo (main job),
+bench (the studies suite).
 
     av-jax generate --prompt "def fib(n):" --drafter eagle --mode av
     av-jax profile --drafter block --slots 16
     av-jax demo
+    av-jax bench --quick
 """
 
 from __future__ import annotations
@@ -103,6 +105,11 @@ def cmd_demo(args) -> None:
   demo.main(args)
 
 
+def cmd_bench(args) -> None:
+  from av_jax.studies import run
+  run.run(args)
+
+
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(prog="av-jax", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -121,6 +128,10 @@ def main(argv=None) -> None:
   from av_jax.engine import demo
   demo.add_args(d)
   d.set_defaults(func=cmd_demo)
+  b = sub.add_parser("bench", help="the studies suite: report, plots, JSON in reports/")
+  from av_jax.studies import run as studies
+  studies.add_args(b)
+  b.set_defaults(func=cmd_bench)
   args = parser.parse_args(argv)
   args.func(args)
 

@@ -27,16 +27,19 @@ import jax.numpy as jnp
 import numpy as np
 
 from av_jax.estimator import EstimatorState, online_estimator
-from av_jax.features import logit_qmax, sampling_log_probs
+from av_jax.features import FEATURES, logit_qmax, sampling_log_probs
 from av_jax.models import transformer
 from av_jax.models.config import ModelsConfig
-from av_jax.models.drafters import Drafter, DrafterState
+from av_jax.models.drafters import DraftOutput, Drafter, DrafterState
 from av_jax.models.sampling import sample_tokens, sampling_probs
 from av_jax.planner import PlannerState, exact_policy, is_exact, make_planner
 from av_jax.rejection import rejection_sample
 from av_jax.selection import CostModel, linear_cost_model
 
 MODES = ("target_only", "fixed", "av", "av_head", "oracle")
+# Features recorded per draft token when `EngineConfig.record_features` is on (studies):
+# every registered feature, lossless and lossy, in this order along StepInfo.extra's last axis.
+RECORDED_FEATURES = tuple(FEATURES)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -59,6 +62,7 @@ class EngineConfig:
   explore_every: int = 4         # one slot verifies all K every this many steps
   eos_id: int = -1               # end-of-sequence token (-1: none)
   steps_per_chunk: int = 16      # decode steps per `run_chunk` (host sync granularity)
+  record_features: bool = False  # StepInfo.extra holds every RECORDED_FEATURES (studies)
 
   def __post_init__(self):
     if self.mode not in MODES:
@@ -136,6 +140,7 @@ class StepInfo(NamedTuple):
   accepted: jax.Array      # [B, K] bool
   labeled: jax.Array       # [B, K] bool
   slot_active: jax.Array   # [B] bool
+  extra: jax.Array         # [B, K, F] float32, RECORDED_FEATURES (F = 0 unless recording)
 
 
 class Params(NamedTuple):
@@ -349,25 +354,42 @@ def step(engine: Engine, params: Params, state: DecodeState) -> tuple[DecodeStat
   active = state.active
 
   # 1. Draft, and score the drafts (rule 1: from the distribution, never the token).
-  draft = engine.drafter.draft(params.drafter, params.target, state.drafter, k_draft, K=K,
-                               temperature=cfg.temperature, top_p=cfg.top_p)
-  finite = jnp.all(jnp.isfinite(draft.logits), axis=(1, 2))
-  draft_logits = jnp.where(finite[:, None, None], draft.logits, 0.0)
-  # One top-p pass serves both the feature (filtered entries are -inf, so logit_qmax of
-  # the log-probs is the feature of the sampled distribution) and q for verification.
-  draft_log_probs = sampling_log_probs(draft_logits, temperature=cfg.temperature,
-                                       top_p=cfg.top_p)
-  features = logit_qmax(draft_log_probs)
-  if cfg.greedy:  # greedy drafting: q is the point mass on the arg-max
-    draft_probs = jax.nn.one_hot(jnp.argmax(draft_logits, -1), draft_logits.shape[-1])
+  if cfg.mode == "target_only":
+    # Nothing is verified, so nothing is drafted or scored: placeholders at no cost (the
+    # baseline must not pay for a drafter it does not use).
+    V = engine.models.target.vocab_size
+    draft = DraftOutput(logits=None, tokens=jnp.zeros((B, K), jnp.int32), conf_logits=None,
+                        state=state.drafter)
+    finite = jnp.ones((B,), bool)
+    draft_log_probs = jnp.zeros((B, K, V), jnp.float32)
+    draft_probs = jnp.zeros((B, K, V), jnp.float32)
+    features = jnp.zeros((B, K), jnp.float32)
   else:
-    draft_probs = jnp.exp(draft_log_probs)
+    draft = engine.drafter.draft(params.drafter, params.target, state.drafter, k_draft, K=K,
+                                 temperature=cfg.temperature, top_p=cfg.top_p)
+    finite = jnp.all(jnp.isfinite(draft.logits), axis=(1, 2))
+    draft_logits = jnp.where(finite[:, None, None], draft.logits, 0.0)
+    # One top-p pass serves both the feature (filtered entries are -inf, so logit_qmax of
+    # the log-probs is the feature of the sampled distribution) and q for verification.
+    draft_log_probs = sampling_log_probs(draft_logits, temperature=cfg.temperature,
+                                         top_p=cfg.top_p)
+    features = logit_qmax(draft_log_probs)
+    if cfg.greedy:  # greedy drafting: q is the point mass on the arg-max
+      draft_probs = jax.nn.one_hot(jnp.argmax(draft_logits, -1), draft_logits.shape[-1])
+    else:
+      draft_probs = jnp.exp(draft_log_probs)
   conf = (jax.nn.sigmoid(draft.conf_logits) if draft.conf_logits is not None
           else jnp.zeros((B, K), jnp.float32))
   if cfg.mode == "av_head":
     probs = conf
   else:
     probs = est.predict(state.estimator, features)
+
+  if cfg.record_features:  # measured only, never used to prune (the lossy ones read tokens)
+    extra = jnp.stack([FEATURES[name](draft_log_probs, tokens=draft.tokens)
+                       for name in RECORDED_FEATURES], axis=-1)
+  else:
+    extra = jnp.zeros((B, K, 0), jnp.float32)
 
   # 2. Plan. A slot with non-finite draft logits falls back to target-only this step.
   plan, planner_state = planner.plan(state.planner, probs, active=active & finite)
@@ -404,8 +426,12 @@ def step(engine: Engine, params: Params, state: DecodeState) -> tuple[DecodeStat
                                                               mode="drop")
 
   # 5. Commit to the drafter; inactive slots keep their (unused) pending block.
-  committed = engine.drafter.commit(draft.state, emitted_tokens=emitted,
-                                    num_emitted=result.num_emitted, target_hidden=target_hidden)
+  if cfg.mode == "target_only":  # the drafter never runs; its state stays as it was
+    committed = state.drafter
+  else:
+    committed = engine.drafter.commit(draft.state, emitted_tokens=emitted,
+                                      num_emitted=result.num_emitted,
+                                      target_hidden=target_hidden)
   keep = lambda new, old: jnp.where(active.reshape((B,) + (1,) * (new.ndim - 1)), new, old)
   drafter_state = committed._replace(
       tokens=keep(committed.tokens, state.drafter.tokens),
@@ -434,7 +460,7 @@ def step(engine: Engine, params: Params, state: DecodeState) -> tuple[DecodeStat
   info = StepInfo(budget=jnp.minimum(plan.budget, B * K), verified=jnp.sum(verified_count), emitted=jnp.sum(n),
                   bucket=bucket, active=jnp.sum(active, dtype=jnp.int32), features=features,
                   probs=probs, conf=conf, accepted=result.accepted, labeled=labeled,
-                  slot_active=active)
+                  slot_active=active, extra=extra)
   return new_state, info
 
 

@@ -1,0 +1,456 @@
+"""The studies report: Markdown tables, PNG plots and JSON of every number."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+
+from av_jax.studies import analysis as A
+from av_jax.studies import throughput as T
+from av_jax.studies.collect import FEATURE_NAMES, Drafts
+
+ESTIMATOR = "logit(q_max), shared slope (shipped)"
+SERVED = "online estimator (served)"
+HEAD = "confidence head (trained)"
+
+
+def _f(x, digits=3) -> str:
+  if x is None or (isinstance(x, float) and not np.isfinite(x)):
+    return "n/a"
+  return f"{x:.{digits}f}"
+
+
+def _table(header: list[str], rows: list[list]) -> str:
+  lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+  lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+  return "\n".join(lines)
+
+
+def _after_warmup(drafts: Drafts, s) -> np.ndarray:
+  return drafts.step >= s.warmup_rounds * s.refit_interval
+
+
+def analyse_labels(labels: dict, s) -> dict:
+  """Every number of studies 1-4 (JSON-able)."""
+  streams: dict = labels["streams"]
+  K = s.k
+  out: dict = {}
+  # 1. Labelled drafts.
+  out["labelled"] = [dict(drafter=d, workload=w, drafts=len(x), acceptance=float(x.label.mean()),
+                          acceptance_at=[float(x.label[x.position == k].mean())
+                                         if np.any(x.position == k) else None for k in range(K)],
+                          mean_entropy=float(-x.feature("neg_entropy").mean()))
+                     for (d, w), x in streams.items()]
+  # 2. Feature table: one fit per drafter (its workloads pooled), out of sample.
+  per_drafter: dict = {}
+  for (d, w), x in streams.items():
+    per_drafter.setdefault(d, []).append(x)
+  per_drafter = {d: _renumber(xs) for d, xs in per_drafter.items()}
+  oos = A.out_of_sample(per_drafter, K)
+  lossless = {name: spec[3] for name, spec in A.PREDICTORS.items()}
+  lossless[SERVED] = lossless[HEAD] = True
+  out["feature_table"] = [dict(predictor=name, lossless=lossless[name],
+                               **A.score(p, y)) for name, (p, y, _) in oos.items()]
+  # 3. Estimator vs head, on the drafter with a head.
+  if HEAD in oos and "block_head" in per_drafter:
+    head_oos = A.out_of_sample({"block_head": per_drafter["block_head"]}, K)
+    names = (ESTIMATOR, SERVED, HEAD, "q_max, no fit")
+    cmp = {}
+    for name in names:
+      p, y, pos = head_oos[name]
+      cmp[name] = dict(overall=A.score(p, y), excluding_position_1=A.score(p[pos > 0], y[pos > 0]),
+                       auc_at=A.per_position(p, y, pos, K),
+                       ece_at=A.per_position(p, y, pos, K, "ece"),
+                       reliability=A.reliability(p, y))
+    out["estimator_vs_head"] = cmp
+  # 4. Coefficients per (drafter, workload), correlation with entropy.
+  coef = []
+  for (d, w), x in streams.items():
+    fit = A.fit_logistic(x.feature("logit_qmax"), x.position, x.label, K)
+    coef.append(dict(drafter=d, workload=w, slope=float(fit.slope),
+                     intercepts=[float(b) for b in fit.intercepts],
+                     mean_entropy=float(-x.feature("neg_entropy").mean()),
+                     acceptance=float(x.label.mean())))
+  ent = np.asarray([c["mean_entropy"] for c in coef])
+  out["coefficients"] = coef
+  out["correlation"] = dict(
+      slope_vs_entropy=_corr(ent, [c["slope"] for c in coef]),
+      intercept1_vs_entropy=_corr(ent, [c["intercepts"][0] for c in coef]),
+      pairs=len(coef))
+  out["traces"] = [dict(drafter=d, workload=w, step=t.step.tolist(), slope=t.slope.tolist(),
+                        intercept1=t.intercepts[:, 0].tolist(),
+                        num_refits=t.num_refits.tolist())
+                   for (d, w), t in labels["traces"].items()]
+  # Served-estimator calibration after warm-up, pooled over every stream.
+  pooled = Drafts.concat([x.take(_after_warmup(x, s)) for x in streams.values()])
+  out["served_after_warmup"] = A.score(pooled.served, pooled.label)
+  out["served_after_warmup_by_drafter"] = {
+      d: A.score(*(lambda z: (z.served, z.label))(Drafts.concat(
+          [x.take(_after_warmup(x, s)) for (dd, _), x in streams.items() if dd == d])))
+      for d in per_drafter}
+  # Drift.
+  drift = labels["drift"]
+  rows = A.round_ece(drift.drafts, s.refit_interval)
+  out["drift"] = dict(workloads=list(s.drift_workloads), rounds=rows,
+                      recovery=A.recovery_rounds(rows),
+                      trace=dict(step=drift.trace.step.tolist(),
+                                 slope=drift.trace.slope.tolist(),
+                                 intercept1=drift.trace.intercepts[:, 0].tolist()))
+  return out
+
+
+def _renumber(parts: list[Drafts]) -> Drafts:
+  """Concatenates streams as separate segments (so splits happen within each)."""
+  return Drafts.concat([Drafts(**{**x.__dict__, "segment": np.full(len(x), i, np.int32)})
+                        for i, x in enumerate(parts)])
+
+
+def _corr(a, b) -> float | None:
+  a, b = np.asarray(a, float), np.asarray(b, float)
+  if len(a) < 3 or a.std() == 0 or b.std() == 0:
+    return None
+  return float(np.corrcoef(a, b)[0, 1])
+
+
+def analyse_throughput(rows: list[dict], s) -> dict:
+  summary = T.summarize(rows)
+  fixed_k = f"fixed K={s.k}"
+  av = f"AV (K={s.k})"
+  ratio = T.ratios(rows, baseline=fixed_k)
+  pareto = {}
+  for c in s.concurrencies:
+    pts = [r for r in summary if r["drafter"] == s.pareto_drafter and r["workload"] == "mixed"
+           and r["concurrency"] == c and r["mode"] != "oracle"]
+    front = T.pareto_front([(r["per_request_tokens_per_s"], r["tokens_per_s"]) for r in pts])
+    best_fixed = max((r for r in pts if r["mode"] in ("fixed", "target_only")),
+                     key=lambda r: r["tokens_per_s"], default=None)
+    av_row = next((r for r in pts if r["arm"] == av), None)
+    pareto[c] = dict(on_front=[pts[i]["arm"] for i in front],
+                     best_fixed=best_fixed and best_fixed["arm"],
+                     av_vs_best_fixed=(av_row["tokens_per_s"] / best_fixed["tokens_per_s"]
+                                       if av_row and best_fixed else None))
+  return dict(rows=rows, summary=summary,
+              ratios=[dict(drafter=d, workload=w, concurrency=c, arm=a, **v)
+                      for (d, w, c, a), v in ratio.items()],
+              pareto=pareto)
+
+
+def goals(results: dict, s) -> list[list]:
+  """The issue's goals: measured value, met or not."""
+  out = []
+  lab = results.get("labels")
+  if lab:
+    e = lab["served_after_warmup"]["ece"]
+    fitted = next(r for r in lab["feature_table"] if r["predictor"] == ESTIMATOR)["ece"]
+    out.append(["Estimator ECE <= 0.01 pooled after warm-up",
+                f"served online {_f(e, 4)}; fitted out of sample {_f(fitted, 4)}",
+                "met" if e <= 0.01 else f"missed by {e - 0.01:.4f}"])
+    cmp = lab.get("estimator_vs_head")
+    if cmp:
+      est, head = cmp[ESTIMATOR]["auc_at"], cmp[HEAD]["auc_at"]
+      diffs = [a - b for a, b in zip(est[1:], head[1:]) if a is not None and b is not None
+               and np.isfinite(a) and np.isfinite(b)]
+      worst = min(diffs) if diffs else float("nan")
+      out.append(["Estimator AUC >= head's from position 2 on",
+                  "per-position AUC difference (estimator - head), positions 2..K: "
+                  + ", ".join(_f(d, 3) for d in diffs),
+                  "met" if diffs and worst >= 0 else f"missed (worst {worst:+.3f})"])
+    rec = lab["drift"]["recovery"]
+    worst = [r["rounds_to_recover"] for r in rec]
+    ok = all(r is not None and r <= 3 for r in worst)
+    out.append(["Recalibration after a workload switch within 3 refit rounds",
+                "rounds per switch: " + ", ".join(str(r) for r in worst),
+                "met" if ok else "missed"])
+  tp = results.get("throughput")
+  if tp:
+    pareto = tp["pareto"]
+    vals = {c: v["av_vs_best_fixed"] for c, v in pareto.items()}
+    ok = all(v is not None and v >= 1.0 for v in vals.values())
+    out.append([f"AV >= best fixed K at every concurrency ({s.pareto_drafter}, mixed)",
+                ", ".join(f"B={c}: {_f(v, 2)}x ({pareto[c]['best_fixed']})"
+                          for c, v in vals.items()),
+                "met" if ok else "missed at B=" + ",".join(str(c) for c, v in vals.items()
+                                                         if v is None or v < 1.0)])
+    top = max(s.concurrencies)
+    r64 = [r for r in tp["ratios"] if r["concurrency"] == top and r["workload"] == "mixed"
+           and r["arm"] == f"AV (K={s.k})"]
+    ok = all(r["median"] >= 1.15 for r in r64) and r64
+    out.append([f"AV >= 1.15x fixed K={s.k} at concurrency {top} (mixed)",
+                ", ".join(f"{r['drafter']} {r['median']:.2f}x" for r in r64),
+                "met" if ok else "missed"])
+  ov = results.get("overhead")
+  if ov and ov.get("share") is not None:
+    out.append([f"AV decision < 2% of a decode step at concurrency {ov['batch']}",
+                f"{ov['decision_ms']:.2f} ms of {ov['av_step_ms']:.1f} ms = "
+                f"{100 * ov['share']:.1f}%",
+                "met" if ov["share"] < 0.02 else f"missed by {100 * ov['share'] - 2:.1f} points"])
+  return out
+
+
+def write(out_dir: str, results: dict, s, *, labels=None, throughput_rows=None,
+          overhead=None) -> None:
+  if labels is not None:
+    results["labels"] = analyse_labels(labels, s)
+  if throughput_rows is not None:
+    results["throughput"] = analyse_throughput(throughput_rows, s)
+  if overhead is not None:
+    results["overhead"] = overhead
+  results["goals"] = goals(results, s)
+  plots = _plots(out_dir, results, s)
+  with open(os.path.join(out_dir, "studies.json"), "w") as f:
+    json.dump(results, f, indent=1, default=_json_default)
+  with open(os.path.join(out_dir, "studies.md"), "w") as f:
+    f.write(_markdown(results, s, plots))
+
+
+def _json_default(x):
+  if isinstance(x, (np.integer,)):
+    return int(x)
+  if isinstance(x, (np.floating,)):
+    return float(x)
+  if isinstance(x, np.ndarray):
+    return x.tolist()
+  if isinstance(x, tuple):
+    return list(x)
+  raise TypeError(type(x))
+
+
+# ---------------------------------------------------------------------------- plots
+
+
+def _plots(out_dir: str, results: dict, s) -> dict[str, str]:
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  files = {}
+
+  def save(fig, name):
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, name), dpi=110)
+    plt.close(fig)
+    files[name.split(".")[0]] = name
+
+  lab = results.get("labels")
+  if lab and lab.get("estimator_vs_head"):
+    cmp = lab["estimator_vs_head"]
+    fig, ax = plt.subplots(figsize=(5.5, 3.6))
+    for name, c in cmp.items():
+      ax.plot(np.arange(1, s.k + 1), c["auc_at"], marker="o", label=name)
+    ax.set(xlabel="draft position", ylabel="AUC", title="AUC per position (block_head)")
+    ax.legend(fontsize=7)
+    save(fig, "auc_per_position.png")
+    fig, ax = plt.subplots(figsize=(4.6, 4.2))
+    ax.plot([0, 1], [0, 1], color="grey", lw=0.8)
+    for name, c in cmp.items():
+      r = c["reliability"]
+      keep = np.asarray(r["count"]) > 0
+      ax.plot(np.asarray(r["mean_pred"])[keep], np.asarray(r["observed"])[keep], marker="o",
+              label=name)
+    ax.set(xlabel="predicted acceptance", ylabel="observed acceptance",
+           title="Reliability (block_head, out of sample)")
+    ax.legend(fontsize=7)
+    save(fig, "reliability.png")
+  if lab:
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
+    for t in lab["traces"]:
+      axes[0].plot(t["step"], t["slope"], label=f"{t['drafter']}/{t['workload']}", lw=0.9)
+      axes[1].plot(t["step"], t["intercept1"], lw=0.9)
+    axes[0].set(xlabel="decode step", ylabel="slope w", title="online slope")
+    axes[1].set(xlabel="decode step", ylabel="intercept, position 1",
+                title="online first intercept")
+    axes[0].legend(fontsize=5, ncol=2)
+    save(fig, "coefficient_traces.png")
+    d = lab["drift"]
+    fig, ax = plt.subplots(figsize=(6, 3.4))
+    rounds = [r["round"] for r in d["rounds"]]
+    ax.plot(rounds, [r["ece"] for r in d["rounds"]], marker="o")
+    for r0, r1 in zip(d["rounds"], d["rounds"][1:]):
+      if r1["segment"] != r0["segment"]:
+        ax.axvline(r1["round"] - 0.5, color="red", lw=0.8)
+    ax.set(xlabel="refit round", ylabel="ECE of served predictions",
+           title="Drift: " + " -> ".join(d["workloads"]))
+    save(fig, "drift_ece.png")
+  tp = results.get("throughput")
+  if tp:
+    summ = [r for r in tp["summary"] if r["drafter"] == s.pareto_drafter
+            and r["workload"] == "mixed"]
+    arms = list(dict.fromkeys(r["arm"] for r in summ))
+    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    for arm in arms:
+      pts = sorted((r for r in summ if r["arm"] == arm), key=lambda r: r["concurrency"])
+      style = dict(lw=2.2, color="black") if arm.startswith("AV") else (
+          dict(ls="--", color="grey") if arm.startswith("oracle") else {})
+      ax.plot([r["per_request_tokens_per_s"] for r in pts], [r["tokens_per_s"] for r in pts],
+              marker="o", label=arm, **style)
+      for r in pts:
+        ax.annotate(str(r["concurrency"]), (r["per_request_tokens_per_s"], r["tokens_per_s"]),
+                    fontsize=5)
+    ax.set(xlabel="per-request tokens/s (interactivity)", ylabel="total tokens/s",
+           title=f"Pareto: fixed K vs AV ({s.pareto_drafter}, mixed; labels = concurrency)",
+           xscale="log", yscale="log")
+    ax.legend(fontsize=7)
+    save(fig, "pareto.png")
+    fig, ax = plt.subplots(figsize=(6.4, 3.8))
+    keys = sorted({(r["drafter"], r["workload"]) for r in tp["ratios"]
+                   if r["arm"] == f"AV (K={s.k})"})
+    for d, w in keys:
+      pts = sorted((r for r in tp["ratios"] if r["drafter"] == d and r["workload"] == w
+                    and r["arm"] == f"AV (K={s.k})"), key=lambda r: r["concurrency"])
+      ax.errorbar([r["concurrency"] for r in pts], [r["median"] for r in pts],
+                  yerr=[[r["median"] - r["min"] for r in pts], [r["max"] - r["median"]
+                                                               for r in pts]],
+                  marker="o", capsize=2, label=f"{d}/{w}")
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set(xscale="log", xlabel="concurrency", ylabel=f"AV tokens/s / fixed K={s.k}",
+           title="AV on vs off (side-by-side ratios; bars = spread over repeats)")
+    ax.legend(fontsize=6, ncol=2)
+    save(fig, "av_ratio.png")
+  return files
+
+
+# ---------------------------------------------------------------------------- markdown
+
+
+def _markdown(results: dict, s, plots: dict) -> str:
+  hw = results["hardware"]
+  md = [f"# av_jax studies report\n",
+        f"Command: `{results['command']}` (seed {s.seed}). Machine: {hw['cpu']}, "
+        f"{hw['usable_cores']} usable cores, backend {hw['backend']} ({hw['device']}), "
+        f"jax {hw['jax']}, Python {hw['python']}; load average at start "
+        f"{', '.join(f'{x:.1f}' for x in hw['load_avg_start'])}, at end "
+        f"{', '.join(f'{x:.1f}' for x in hw.get('load_avg_end', []))}. "
+        f"Wall time: " + ", ".join(f"{k} {v:.0f} s" for k, v in results["timings"].items())
+        + ".\n",
+        "Settings: " + ", ".join(f"{k}={v}" for k, v in results["settings"].items()) + ".\n",
+        "Every number below is in `studies.json`. Speeds are compared side by side in one "
+        "run (interleaved repeats) and reported as ratios; absolute tokens/s are for this "
+        "machine only.\n", "## Goals\n",
+        _table(["goal", "measured", "verdict"], results["goals"]), ""]
+  lab = results.get("labels")
+  if lab:
+    md += ["\n## 1. Labelled drafts\n",
+           f"Fixed K={s.k} speculative decoding (every draft verified), temperature "
+           f"{s.temperature}, top-p {s.top_p}, {s.label_slots} concurrent requests, "
+           f"{s.label_steps} decode steps per stream. One row per labelled draft (accepted "
+           f"drafts and the first rejection): features {', '.join(FEATURE_NAMES)}, position, "
+           "label, workload, drafter, the online estimator's served prediction and the "
+           "confidence-head score where the drafter has one.\n",
+           _table(["drafter", "workload", "labelled drafts", "acceptance",
+                   "acceptance by position 1..K", "mean draft entropy (nats)"],
+                  [[r["drafter"], r["workload"], r["drafts"], _f(r["acceptance"]),
+                    " ".join(_f(a, 2) for a in r["acceptance_at"]), _f(r["mean_entropy"], 2)]
+                   for r in lab["labelled"]])]
+    md += ["\n## 2. Feature table\n",
+           "Out of sample: each fitted predictor is fitted per drafter (its workloads pooled) "
+           "on the first half of every stream's steps and scored on the second half; "
+           "`q_max, no fit` uses the draft's top probability directly; the online estimator "
+           "row scores the predictions it actually served during the second halves; the "
+           "confidence head is the trained head of the block_head drafter (its rows only). "
+           "Predictions of all drafters pooled.\n",
+           _table(["predictor", "lossless", "AUC", "log-loss", "ECE", "mean pred", "observed",
+                   "n"],
+                  [[r["predictor"], "yes" if r["lossless"] else "**no**", _f(r["auc"]),
+                    _f(r["log_loss"]), _f(r["ece"], 4), _f(r["mean_pred"]),
+                    _f(r["mean_label"]), r["n"]] for r in lab["feature_table"]]),
+           f"\nServed online estimator after {s.warmup_rounds} warm-up rounds, pooled over "
+           f"every stream: ECE {_f(lab['served_after_warmup']['ece'], 4)}, AUC "
+           f"{_f(lab['served_after_warmup']['auc'])} (n={lab['served_after_warmup']['n']}); "
+           "per drafter: " + ", ".join(f"{d} {_f(v['ece'], 4)}" for d, v in
+                                       lab["served_after_warmup_by_drafter"].items()) + "."]
+    cmp = lab.get("estimator_vs_head")
+    if cmp:
+      md += ["\n## 3. Estimator vs confidence head (block_head drafter, out of sample)\n",
+             _table(["predictor", "AUC", "log-loss", "ECE", "AUC excl. pos. 1",
+                     "log-loss excl. pos. 1", "ECE excl. pos. 1"],
+                    [[n, _f(c["overall"]["auc"]), _f(c["overall"]["log_loss"]),
+                      _f(c["overall"]["ece"], 4), _f(c["excluding_position_1"]["auc"]),
+                      _f(c["excluding_position_1"]["log_loss"]),
+                      _f(c["excluding_position_1"]["ece"], 4)] for n, c in cmp.items()]),
+             "\nAUC per position:\n",
+             _table(["predictor"] + [str(k + 1) for k in range(s.k)],
+                    [[n] + [_f(a) for a in c["auc_at"]] for n, c in cmp.items()]),
+             "\n![AUC per position](auc_per_position.png) ![reliability](reliability.png)"]
+    corr = lab["correlation"]
+    md += ["\n## 4. Slope and intercepts\n",
+           "Full-stream maximum-likelihood fit of the shipped model per drafter and workload "
+           "(shared slope, intercept per position).\n",
+           _table(["drafter", "workload", "slope", "intercepts 1..K", "mean entropy",
+                   "acceptance"],
+                  [[c["drafter"], c["workload"], _f(c["slope"], 2),
+                    " ".join(_f(b, 2) for b in c["intercepts"]), _f(c["mean_entropy"], 2),
+                    _f(c["acceptance"])] for c in lab["coefficients"]]),
+           f"\nCorrelation over the {corr['pairs']} (drafter, workload) pairs: slope vs mean "
+           f"draft entropy {_f(corr['slope_vs_entropy'], 2)}; first intercept vs mean draft "
+           f"entropy {_f(corr['intercept1_vs_entropy'], 2)}.\n",
+           "![coefficient traces](coefficient_traces.png)\n",
+           f"Drift ({s.drift_drafter}): workloads {' -> '.join(lab['drift']['workloads'])}, "
+           f"{s.drift_steps} steps each, refit every {s.refit_interval} steps. A segment's "
+           "calibrated level is the median round ECE over its last third; it has recovered "
+           "at the first round from which every later round stays within 0.01 of the larger "
+           "of its and the previous segment's level. Round 0 is served entirely with the "
+           "coefficients fitted before the switch.\n",
+           _table(["switch to segment", "first-round ECE", "level", "threshold",
+                   "refit rounds to recover", "rounds in segment"],
+                  [[r["segment"], _f(r["first_ece"], 4), _f(r["level"], 4),
+                    _f(r["threshold"], 4), r["rounds_to_recover"], r["rounds"]]
+                   for r in lab["drift"]["recovery"]]),
+           "\n![drift](drift_ece.png)"]
+  tp = results.get("throughput")
+  if tp:
+    md += ["\n## 5. Throughput\n",
+           f"Requests: max(4, {s.requests_per_slot} x concurrency) prompts of {s.prompt_len} "
+           f"tokens, {s.throughput_max_new} new tokens each, continuous batching; "
+           f"{s.repeats} interleaved repeats. Ratios are per repeat against fixed K={s.k} "
+           "in the same repeat (median [min, max]). Per-request tokens/s = tokens/s divided "
+           "by the mean number of busy slots. The oracle verifies everything and is charged "
+           "in hindsight only for accepted drafts, using the profiled step-cost tables "
+           "(a modelled ceiling).\n"]
+    keys = sorted({(r["drafter"], r["workload"]) for r in tp["ratios"]})
+    rows = []
+    for d, w in keys:
+      for c in s.concurrencies:
+        fx = next((r for r in tp["summary"] if (r["drafter"], r["workload"], r["concurrency"],
+                                                 r["arm"]) == (d, w, c, f"fixed K={s.k}")), None)
+        av = next((r for r in tp["summary"] if (r["drafter"], r["workload"], r["concurrency"],
+                                                 r["arm"]) == (d, w, c, f"AV (K={s.k})")), None)
+        ra = next((r for r in tp["ratios"] if (r["drafter"], r["workload"], r["concurrency"],
+                                                r["arm"]) == (d, w, c, f"AV (K={s.k})")), None)
+        if fx and av and ra:
+          rows.append([d, w, c, _f(fx["tokens_per_s"], 1), _f(av["tokens_per_s"], 1),
+                       f"{ra['median']:.3f} [{ra['min']:.3f}, {ra['max']:.3f}]",
+                       _f(fx["tokens_per_step"], 2), _f(av["tokens_per_step"], 2),
+                       _f(av["verified_per_step"], 1)])
+    md += [_table(["drafter", "workload", "concurrency", f"fixed K={s.k} tok/s", "AV tok/s",
+                   "AV / fixed", "tok/step fixed", "tok/step AV", "verified/step AV"], rows)]
+    md += [f"\nPareto ({s.pareto_drafter}, mixed workload): total tokens/s and per-request "
+           "tokens/s per arm; `*` marks the arms on the frontier at that concurrency.\n"]
+    arms = list(dict.fromkeys(r["arm"] for r in tp["summary"]
+                              if r["drafter"] == s.pareto_drafter and r["workload"] == "mixed"))
+    rows = []
+    for c in s.concurrencies:
+      front = tp["pareto"][c]["on_front"]
+      cells = []
+      for arm in arms:
+        r = next((r for r in tp["summary"] if r["drafter"] == s.pareto_drafter
+                  and r["workload"] == "mixed" and r["concurrency"] == c and r["arm"] == arm),
+                 None)
+        cells.append("" if r is None else f"{r['tokens_per_s']:.0f} / "
+                     f"{r['per_request_tokens_per_s']:.1f}{' *' if arm in front else ''}")
+      rows.append([c] + cells)
+    md += [_table(["concurrency"] + [f"{a} (total / per-request)" for a in arms], rows),
+           "\n![Pareto](pareto.png) ![AV ratio](av_ratio.png)"]
+  ov = results.get("overhead")
+  if ov:
+    md += ["\n## 6. Overhead\n",
+           f"The per-step decision (`av_jax.decision.make_decision`: feature pass on the "
+           f"sampler's log-probs, estimator update and predict, survival, budget, "
+           f"allocation) at B={ov['batch']}, K={ov['k']}, V={ov['vocab']}: median "
+           f"{ov['decision_ms']:.2f} ms over {len(ov['decision_ms_all'])} steps "
+           f"(recompiles after warm-up: {ov['recompiles']}). An AV decode step of the engine "
+           f"at the same concurrency: {_f(ov['av_step_ms'], 1)} ms (throughput runs), so "
+           f"the decision is {_f(100 * ov['share'] if ov['share'] else None, 1)}% of a step. "
+           "The core microbenchmark against NumPy and PyTorch is `python "
+           "benchmarks/overhead.py` (BENCHMARKS.md)."]
+  return "\n".join(md) + "\n"

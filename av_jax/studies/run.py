@@ -1,0 +1,283 @@
+"""The studies suite: every measurement of the design note, on the shipped models.
+
+`av-jax bench [--quick]` (or `python benchmarks/run_all.py`) runs, with fixed seeds:
+
+1. labelled drafts: fixed K speculative decoding with every feature recorded, on every
+   workload and drafter (`collect`);
+2. the feature table, 3. estimator vs confidence head, 4. slope and intercepts with a
+   workload-switch drift run (`analysis`);
+5. throughput sweeps: AV on/off per drafter on the mixed workload and per workload for
+   one drafter, and the Pareto picture of fixed K against AV with the oracle ceiling
+   (`throughput`);
+6. overhead: the per-step decision microbenchmark and AV's share of a decode step;
+
+and writes `reports/studies.md` (tables, goals met or missed, the machine, the settings
+and the command), PNG plots and `reports/studies.json` with every number.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+
+WORKLOADS = ("code", "prose", "math", "noisy")
+DRAFTERS = ("draft_lm", "eagle", "block", "block_head")
+
+
+@dataclasses.dataclass
+class Settings:
+  """Everything the suite's numbers depend on (recorded in the report)."""
+  models: str = "default"
+  temperature: float = 1.0
+  top_p: float = 0.95
+  k: int = 8
+  label_slots: int = 64            # concurrency of the labelled-draft runs
+  label_steps: int = 96            # decode steps per (drafter, workload) stream
+  prompt_len: int = 32
+  label_max_new: int = 48          # output limit per request in labelled runs
+  refit_interval: int = 16         # estimator round length N (steps)
+  drift_workloads: tuple = ("math", "prose", "math")
+  drift_steps: int = 192           # steps per drift segment (a multiple of refit_interval)
+  drift_drafter: str = "block"
+  warmup_rounds: int = 2           # served predictions of the first rounds are warm-up
+  concurrencies: tuple = (1, 2, 4, 8, 16, 32, 64)
+  pareto_ks: tuple = (0, 1, 2, 4, 6, 8)
+  pareto_drafter: str = "block"
+  on_off_drafters: tuple = DRAFTERS
+  per_workload_drafter: str = "block"
+  requests_per_slot: int = 2       # throughput requests = max(4, this * concurrency)
+  throughput_max_new: int = 48
+  repeats: int = 2
+  overhead_repeats: int = 30
+  seed: int = 0
+
+  @classmethod
+  def quick(cls) -> "Settings":
+    """A reduced suite for a few minutes on a 2-core CPU: every study, fewer points."""
+    return cls(label_steps=24, refit_interval=8, drift_steps=40, concurrencies=(4, 64),
+               pareto_ks=(0, 2, 8), on_off_drafters=("block",), requests_per_slot=1,
+               throughput_max_new=24, label_max_new=24, repeats=1, overhead_repeats=10)
+
+
+def hardware() -> dict:
+  model = platform.processor()
+  try:
+    for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
+      if line.startswith("Model name:"):
+        model = line.split(":", 1)[1].strip()
+  except OSError:
+    pass
+  return dict(cpu=model, cores=os.cpu_count(), usable_cores=len(os.sched_getaffinity(0)),
+              backend=jax.default_backend(), device=jax.devices()[0].device_kind,
+              jax=jax.__version__, python=platform.python_version(),
+              load_avg_start=list(os.getloadavg()))
+
+
+def _bar(total: int, desc: str, enabled: bool):
+  from tqdm.auto import tqdm
+  return tqdm(total=total, desc=desc, disable=not enabled, mininterval=2.0, leave=False)
+
+
+def _mixed_prompts(pair, num: int, length: int, seed: int) -> list[list[int]]:
+  from av_jax import data
+  per = [data.prompts(w, tokenizer=pair.tokenizer, num=num, length=length, seed=seed).tolist()
+         for w in WORKLOADS]
+  return [per[i % len(WORKLOADS)][i // len(WORKLOADS)] for i in range(num)]
+
+
+def study_labels(pairs, s: Settings, log, progress: bool) -> dict:
+  """Studies 1-4 data: labelled drafts per (drafter, workload) and the drift run."""
+  from av_jax import data
+  from av_jax import engine as E
+  from av_jax.studies import collect as C
+  max_len = s.prompt_len + s.label_max_new + s.k + 8
+  num_prompts = 4 * s.label_slots  # enough to keep every slot busy for the stream
+  streams, traces = {}, {}
+  total = len(pairs) * len(WORKLOADS) * s.label_steps + len(s.drift_workloads) * s.drift_steps
+  bar = _bar(total, "labelled drafts", progress)
+  engines = {}
+  for kind, pair in pairs.items():
+    config = C.study_config(slots=s.label_slots, max_draft=s.k, max_len=max_len,
+                            temperature=s.temperature, top_p=s.top_p,
+                            refit_interval=s.refit_interval)
+    engines[kind] = E.make_engine(config, pair.cfg, pair.drafter)
+    params = E.Params(target=pair.target_params, drafter=pair.drafter_params)
+    for w in WORKLOADS:
+      prompts = data.prompts(w, tokenizer=pair.tokenizer, num=num_prompts,
+                             length=s.prompt_len, seed=s.seed).tolist()
+      stream = C.collect(engines[kind], params, [prompts], steps=s.label_steps,
+                         max_new=s.label_max_new, key=jax.random.PRNGKey(s.seed),
+                         progress=bar.update)
+      streams[(kind, w)] = stream.drafts
+      traces[(kind, w)] = stream.trace
+      log(f"  labelled {kind:>10} {w:>5}: {len(stream.drafts):7d} drafts, "
+          f"acceptance {stream.drafts.label.mean():.3f}, {stream.seconds:.1f} s")
+  kind = s.drift_drafter
+  pair = pairs[kind]
+  params = E.Params(target=pair.target_params, drafter=pair.drafter_params)
+  segments = [data.prompts(w, tokenizer=pair.tokenizer, num=num_prompts, length=s.prompt_len,
+                           seed=s.seed + 1 + i).tolist()
+              for i, w in enumerate(s.drift_workloads)]
+  drift = C.collect(engines[kind], params, segments, steps=s.drift_steps,
+                    max_new=s.label_max_new, key=jax.random.PRNGKey(s.seed + 7),
+                    progress=bar.update)
+  bar.close()
+  log(f"  drift {' -> '.join(s.drift_workloads)}: {len(drift.drafts)} drafts, "
+      f"{drift.seconds:.1f} s")
+  return dict(streams=streams, traces=traces, drift=drift)
+
+
+def study_throughput(pairs, s: Settings, log, progress: bool) -> list[dict]:
+  """Study 5 rows: every (drafter, workload, concurrency, arm, repeat)."""
+  from av_jax import data
+  from av_jax.studies import throughput as T
+  max_len = s.prompt_len + s.throughput_max_new + s.k + 8
+  sweeper = T.Sweeper(temperature=s.temperature, top_p=s.top_p, max_len=max_len,
+                      refit_interval=s.refit_interval, seed=s.seed, log=log)
+  # (drafter, workload) -> arms
+  cases = {}
+  for kind in s.on_off_drafters:
+    cases[(kind, "mixed")] = T.on_off_arms(s.k)
+  cases[(s.pareto_drafter, "mixed")] = T.pareto_arms(s.pareto_ks, s.k)
+  for w in WORKLOADS:
+    cases.setdefault((s.per_workload_drafter, w), T.on_off_arms(s.k))
+  rows = []
+  total = sum(len(a) for a in cases.values()) * len(s.concurrencies) * s.repeats
+  bar = _bar(total, "throughput", progress)
+  for c in s.concurrencies:
+    num = max(4, s.requests_per_slot * c)
+    for (kind, w), arms in cases.items():
+      pair = pairs[kind]
+      if w == "mixed":
+        prompts = _mixed_prompts(pair, num, s.prompt_len, s.seed)
+      else:
+        prompts = data.prompts(w, tokenizer=pair.tokenizer, num=num, length=s.prompt_len,
+                               seed=s.seed).tolist()
+      for arm in arms:  # compile and profile before any timing
+        sweeper.engine(pair, c, arm, prompts)
+      for r in range(s.repeats):
+        for arm in arms:
+          row = sweeper.run(pair, c, arm, prompts, max_new=s.throughput_max_new, repeat=r)
+          row["workload"] = w
+          rows.append(row)
+          bar.update(1)
+      log(f"  throughput {kind:>10} {w:>5} B={c:2d}: " + ", ".join(
+          f"{a.name} {np.median([x['tokens_per_s'] for x in rows if x['drafter'] == kind and x['workload'] == w and x['concurrency'] == c and x['arm'] == a.name]):.0f}"
+          for a in arms) + " tok/s")
+  bar.close()
+  return rows
+
+
+def study_overhead(s: Settings, pair, throughput_rows, log) -> dict:
+  """Study 6: the decision microbenchmark and its share of an AV decode step."""
+  from av_jax import online_estimator
+  from av_jax.decision import make_decision
+  from av_jax.planner import make_planner
+  from av_jax.selection import linear_cost_model
+  B, K = max(s.concurrencies), s.k
+  V = pair.cfg.target.vocab_size
+  est = online_estimator(K, refit_interval=s.refit_interval)
+  planner = make_planner(linear_cost_model(B, B * (K + 1), verify_fixed=1.0,
+                                           verify_per_token=0.02), policy="lagged")
+  # The engine scores the already top-p-filtered log-probs it samples from, so the
+  # decision's feature pass runs with top_p=1 on them (no extra nucleus pass).
+  decide = make_decision(est, planner, temperature=1.0, top_p=1.0)
+  key = jax.random.PRNGKey(0)
+  logits = jax.random.normal(key, (B, K, V)) * 3.0
+  state = decide.init(B)
+  acc = np.zeros((B, K), bool)
+  lab = np.zeros((B, K), bool)
+  act = np.ones((B,), bool)
+  for _ in range(3):
+    plan, state = decide.step(state, logits, acc, lab, act)
+  jax.block_until_ready(plan)
+  times = []
+  for _ in range(s.overhead_repeats):
+    start = time.perf_counter()
+    plan, state = decide.step(state, logits, acc, lab, act)
+    jax.block_until_ready(plan)
+    times.append((time.perf_counter() - start) * 1e3)
+  decision_ms = float(np.median(times))
+  av = [r for r in throughput_rows if r["mode"] == "av" and r["concurrency"] == B]
+  step_ms = float(np.median([1e3 * r["seconds"] / r["steps"] for r in av])) if av else None
+  share = decision_ms / step_ms if step_ms else None
+  log(f"  decision B={B} K={K} V={V}: {decision_ms:.2f} ms; AV decode step {step_ms} ms; "
+      f"share {share}")
+  return dict(batch=B, k=K, vocab=V, decision_ms=decision_ms,
+              decision_ms_all=times, av_step_ms=step_ms, share=share,
+              recompiles=decide.num_traces() - 1)
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(prog="av-jax bench", description=__doc__.split("\n")[0])
+  add_args(p)
+  return run(p.parse_args(argv))
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+  p.add_argument("--quick", action="store_true", help="reduced suite (minutes)")
+  p.add_argument("--out", default="reports", help="output folder")
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--no-progress", action="store_true", help="no progress bars")
+  p.add_argument("--skip", default="", help="comma-separated studies to skip: "
+                 "labels,throughput,overhead")
+
+
+def run(args) -> int:
+  from av_jax import models as M
+  from av_jax.studies import report
+  start = time.perf_counter()
+  s = Settings.quick() if args.quick else Settings()
+  s.seed = args.seed
+  skip = {x for x in args.skip.split(",") if x}
+  progress = not args.no_progress and sys.stderr.isatty()
+  os.makedirs(args.out, exist_ok=True)
+  command = "av-jax bench" + (" --quick" if args.quick else "")
+  log_lines = []
+
+  def log(msg):
+    log_lines.append(msg)
+    print(msg, flush=True)
+
+  log(f"{command}: writing {args.out}/studies.md")
+  kinds = sorted(set(DRAFTERS) if not args.quick else {"block", "block_head", "eagle"},
+                 key=DRAFTERS.index)
+  pairs = {k: M.load(s.models, drafter=k) for k in kinds}
+  results = dict(command=command, settings=dataclasses.asdict(s), hardware=hardware())
+  timings = {}
+  labels = throughput_rows = overhead = None
+  if "labels" not in skip:
+    t = time.perf_counter()
+    log("[1-4] labelled drafts")
+    labels = study_labels(pairs, s, log, progress)
+    timings["labels_s"] = time.perf_counter() - t
+  if "throughput" not in skip:
+    t = time.perf_counter()
+    log("[5] throughput")
+    throughput_rows = study_throughput(pairs, s, log, progress)
+    timings["throughput_s"] = time.perf_counter() - t
+  if "overhead" not in skip:
+    t = time.perf_counter()
+    log("[6] overhead")
+    overhead = study_overhead(s, pairs[kinds[0]], throughput_rows or [], log)
+    timings["overhead_s"] = time.perf_counter() - t
+  timings["total_s"] = time.perf_counter() - start
+  results["timings"] = timings
+  results["hardware"]["load_avg_end"] = list(os.getloadavg())
+  report.write(args.out, results, s, labels=labels, throughput_rows=throughput_rows,
+               overhead=overhead)
+  log(f"done in {timings['total_s']:.0f} s: {args.out}/studies.md, {args.out}/studies.json")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

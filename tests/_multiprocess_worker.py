@@ -38,7 +38,7 @@ def make_engine():
   cfg, drafter, params = fx.pair("block")
   engine = E.make_engine(E.EngineConfig(num_slots=8, max_draft=3, max_len=32, mode="av",
                                         temperature=1.0, steps_per_chunk=4,
-                                        refit_interval=2, num_buckets=3), cfg, drafter)
+                                        refit_interval=2, num_buckets=2), cfg, drafter)
   return engine, params
 
 

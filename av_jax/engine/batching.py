@@ -164,8 +164,16 @@ def generate(engine: core.Engine, params: core.Params, prompts: Sequence[Sequenc
   waiting.reverse()  # pop() serves requests in order
 
   owner = [-1] * B  # request index held by each slot
+  cost = core.default_cost(cfg) if cost is None else cost
+  if mesh is not None:
+    from av_jax.engine import sharding
+    sharding.check_divisible(engine, mesh)
+    params = sharding.put(params, sharding.param_shardings(mesh, params))
+    if state is None and resume_from is None:
+      # Created sharded: no process ever holds the whole state.
+      state = sharding.init_state(engine, mesh, params, key, cost)
   if state is None:
-    state = init(params, key, core.default_cost(cfg) if cost is None else cost)
+    state = init(params, key, cost)
   if resume_from is not None:
     from av_jax.engine import checkpoint
     state, extra = checkpoint.restore(resume_from, engine=engine, like=state)
@@ -176,7 +184,6 @@ def generate(engine: core.Engine, params: core.Params, prompts: Sequence[Sequenc
     waiting = list(extra["waiting"])
     completions = [None if c is None else Completion(**c) for c in extra["completions"]]
   if mesh is not None:
-    from av_jax.engine import sharding
     params, state = sharding.place(engine, mesh, params, state)
     prefill, chunk = compiled_sharded(engine, mesh, params, state)
   infos = []

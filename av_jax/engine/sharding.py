@@ -153,3 +153,33 @@ def place(engine: core.Engine, mesh: Mesh, params: core.Params,
   params = put(params, param_shardings(mesh, params))
   state = put(state, state_shardings(mesh, state))
   return params, state
+
+
+def init_state(engine: core.Engine, mesh: Mesh, params: core.Params, key: jax.Array,
+               cost=None) -> core.DecodeState:
+  """A fresh decode state created directly with its shardings (`core.init_state`).
+
+  Each device allocates only its own shard of the caches and sequence buffer, so a state
+  larger than one device (or one host) never exists in one place.
+
+  Args:
+    engine: the engine.
+    mesh: the ('data', 'model') mesh, within one process or spanning several.
+    params: parameters already placed on `mesh` (`place` / `put`).
+    key: PRNG key of the run (the same in every process).
+    cost: step-cost tables; `core.default_cost` when None.
+
+  Returns:
+    The state, sharded as `state_shardings` says.
+  """
+  check_divisible(engine, mesh)
+  cost = core.default_cost(engine.config) if cost is None else cost
+  fn = lambda params, key, cost: core.init_state(engine, params, key, cost)
+  state_sh = state_shardings(mesh, jax.eval_shape(fn, params, key, cost))
+  replicated = NamedSharding(mesh, P())
+  rep = lambda tree: jax.tree.map(lambda _: replicated, tree)
+  if is_explicit(mesh):
+    fn = jax.sharding.auto_axes(fn, out_sharding=jax.tree.map(lambda sh: sh.spec, state_sh))
+  init = jax.jit(fn, in_shardings=(param_shardings(mesh, params), replicated, rep(cost)),
+                 out_shardings=state_sh)
+  return init(params, put(key, replicated), put(cost, rep(cost)))

@@ -15,6 +15,11 @@ inserts the cross-'data' reduction itself, so every replica holds bit-identical
 coefficients after each refit (replicas that disagreed on the budget would deadlock a
 real deployment). Inside `jax.shard_map` code, pass `axis_name='data'` to `est.update`.
 
+Not data-parallel yet: the packed verification (`core._verify_packed`) packs the tokens of
+all B slots into one buffer, so every 'data' shard runs the target's dense layers on all
+of them and gathers each token's cache row across 'data' (2 L T M H Dh numbers per step);
+docs/scaling.md measures it and proposes per-shard packing.
+
 The mesh may span several processes (JAX's multi-controller runtime,
 `av_jax.engine.distributed`): `place` then builds each global array from the host value
 every process holds, each process writing only its own devices' shards.

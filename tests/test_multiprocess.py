@@ -45,9 +45,13 @@ def _run_workers(tmp_path) -> list[dict]:
         args.append("--reference")
       procs.append(subprocess.Popen(args, cwd=ROOT, env=env, stdout=logs[i],
                                     stderr=subprocess.STDOUT))
+    # Until all exit, one fails (the others would wait for it forever), or time runs out.
     deadline = time.monotonic() + TIMEOUT_S
-    for p in procs:
-      p.wait(timeout=max(deadline - time.monotonic(), 1))
+    while time.monotonic() < deadline:
+      codes = [p.poll() for p in procs]
+      if all(c is not None for c in codes) or any(c not in (None, 0) for c in codes):
+        break
+      time.sleep(0.2)
   finally:
     for p in procs:
       if p.poll() is None:
@@ -55,10 +59,14 @@ def _run_workers(tmp_path) -> list[dict]:
         p.wait()
     for f in logs:
       f.close()
-  for i, p in enumerate(procs):
+  # A worker that failed by itself first, then those killed because of it.
+  for i, p in sorted(enumerate(procs), key=lambda ip: ip[1].returncode < 0):
     if p.returncode != 0:
       log = (tmp_path / f"worker{i}.log").read_text()
-      raise AssertionError(f"worker {i} exited with {p.returncode}:\n{log[-4000:]}")
+      log = "\n".join(l for l in log.splitlines() if not l.startswith("[Gloo]"))
+      what = "was killed (timeout or another worker failed)" if p.returncode < 0 else \
+          f"exited with {p.returncode}"
+      raise AssertionError(f"worker {i} {what}:\n{log[-4000:]}")
   return [json.loads(o.read_text()) for o in outs]
 
 

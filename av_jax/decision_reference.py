@@ -89,6 +89,7 @@ class NumpyDecision:
     state["estimator.num_refits"] = np.zeros((), np.int32)
     state["planner.budget"] = np.asarray(_ALL, np.int32)
     state["planner.step"] = np.zeros((), np.int32)
+    state["planner.draft"] = np.asarray(True)  # the decision always drafts
     state["features"] = np.zeros((batch_size, self.config.num_positions), _F32)
     return state
 

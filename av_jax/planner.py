@@ -43,6 +43,9 @@ _ALL = 2**30
 class PlannerState(NamedTuple):
   budget: jax.Array  # [] int32, budget for the next step (used by the lagged policy)
   step: jax.Array    # [] int32, steps planned so far (drives round-robin exploration)
+  # [] bool, whether drafting paid at the last step that drafted (see `should_draft`);
+  # always True unless the planner was built with `skip_unprofitable_drafts=True`.
+  draft: jax.Array | bool = True
 
 
 class Plan(NamedTuple):
@@ -56,6 +59,7 @@ class Planner(NamedTuple):
   init: Callable[[], PlannerState]
   plan: Callable[..., tuple[Plan, PlannerState]]
   policy: str
+  should_draft: Callable[[PlannerState], jax.Array]
 
 
 def exact_policy(*, drafter_kind: str, greedy: bool) -> str:
@@ -78,6 +82,7 @@ def make_planner(
     policy: str = "lagged",
     explore_every: int = 4,
     initial_budget: int | None = None,
+    skip_unprofitable_drafts: bool = False,
 ) -> Planner:
   """Builds a verification planner.
 
@@ -86,6 +91,11 @@ def make_planner(
     policy: one of `POLICIES` (see the module docstring); use `exact_policy` to pick.
     explore_every: one slot verifies all K every this many steps; 0 disables.
     initial_budget: lagged policy's budget at the first step (default: everything).
+    skip_unprofitable_drafts: after a step whose best plan earns fewer tokens per unit
+      cost than a target-only step without drafting, `should_draft` says False until an
+      exploration step re-evaluates (policies "current" and "lagged" with exploration
+      only). The decision uses only earlier steps, so it is as exact as the lagged budget;
+      the caller skips drafting and passes `drafted=False` to `plan`.
 
   Returns:
     `Planner(init, plan, policy)` with `plan(state, probs [B,K], *, active=None)
@@ -101,12 +111,29 @@ def make_planner(
   if explore_every < 0:
     raise ValueError(f"explore_every: expected >= 0, got {explore_every}")
 
+  adaptive = policy in ("current", "lagged")
+  gated = skip_unprofitable_drafts and adaptive and explore_every > 0
+
   def init() -> PlannerState:
     budget = _ALL if initial_budget is None else int(initial_budget)
-    return PlannerState(budget=jnp.asarray(budget, jnp.int32), step=jnp.zeros((), jnp.int32))
+    return PlannerState(budget=jnp.asarray(budget, jnp.int32), step=jnp.zeros((), jnp.int32),
+                        draft=jnp.asarray(True))
+
+  def exploring(state: PlannerState) -> jax.Array:
+    if explore_every > 0 and adaptive:
+      return state.step % explore_every == 0
+    return jnp.asarray(False)
+
+  def should_draft(state: PlannerState) -> jax.Array:
+    """Whether this step should draft: always, unless drafting did not pay at the last
+    step that drafted and this is not an exploration step."""
+    if not gated:
+      return jnp.asarray(True)
+    return jnp.asarray(state.draft) | exploring(state)
 
   def plan(state: PlannerState, probs: jax.typing.ArrayLike, *,
-           active: jax.typing.ArrayLike | None = None) -> tuple[Plan, PlannerState]:
+           active: jax.typing.ArrayLike | None = None,
+           drafted: jax.typing.ArrayLike = True) -> tuple[Plan, PlannerState]:
     probs = jnp.asarray(probs, jnp.float32)
     _checks.rank("probs", probs, 2, "BK")
     B, K = probs.shape
@@ -121,20 +148,32 @@ def make_planner(
       # One sort serves both the budget and the allocation.
       optimal, budget, mask = budget_and_allocation(
           surv, cost, active=active, budget=state.budget if policy == "lagged" else None)
-      if policy == "lagged":
-        next_budget = optimal
+      if policy == "lagged":  # a step that did not draft has nothing to plan from
+        next_budget = jnp.where(jnp.asarray(drafted), optimal, state.budget)
     else:
       budget = jnp.asarray(B * K if policy == "fixed" else 0, jnp.int32)
       mask = allocate(surv, budget, active=active)
-    if explore_every > 0 and policy in ("current", "lagged"):
+    if explore_every > 0 and adaptive:
       slot = (state.step // explore_every) % B
-      explored = (jnp.arange(B) == slot) & (state.step % explore_every == 0) & active
+      explored = (jnp.arange(B) == slot) & exploring(state) & active
     else:
       explored = jnp.zeros((B,), bool)
-    mask = mask | explored[:, None]
-    new_state = PlannerState(budget=next_budget, step=state.step + 1)
+    draft_next = jnp.asarray(state.draft)
+    drafted = jnp.asarray(drafted)
+    if gated:
+      # Tokens per unit cost of the chosen plan against a step that does not draft.
+      R = jnp.sum(active, dtype=jnp.int32)
+      n = jnp.sum(mask, dtype=jnp.int32)
+      draft_ms = cost.draft_ms[jnp.minimum(R, cost.draft_ms.shape[0] - 1)]
+      verify = lambda t: cost.verify_ms[jnp.minimum(t, cost.verify_ms.shape[0] - 1)]
+      gain = R + jnp.sum(jnp.where(mask, surv, 0.0))
+      pays = gain * verify(R) > R * (draft_ms + verify(R + n))
+      draft_next = jnp.where(drafted, pays | (R == 0), draft_next)
+    mask = (mask | explored[:, None]) & drafted
+    explored = explored & drafted
+    new_state = PlannerState(budget=next_budget, step=state.step + 1, draft=draft_next)
     plan_ = Plan(num_verified=jnp.sum(mask, axis=-1, dtype=jnp.int32), mask=mask,
                  budget=budget, explored=explored)
     return plan_, new_state
 
-  return Planner(init=init, plan=plan, policy=policy)
+  return Planner(init=init, plan=plan, policy=policy, should_draft=should_draft)

@@ -127,3 +127,26 @@ def test_bucket_sizes():
       8, 17, 35, 72)
   assert E.EngineConfig(num_slots=8, max_draft=8, mode="fixed").bucket_sizes() == (72,)
   assert E.EngineConfig(num_slots=2, max_draft=2, buckets=(3, 4)).bucket_sizes() == (3, 4, 6)
+
+
+@pytest.mark.parametrize("kind,mode", [("block", "av"), ("block_head", "av_head")])
+def test_unprofitable_drafting_is_skipped_and_output_unchanged(kind, mode):
+  """With drafting dearer than any gain, AV drafts only at exploration steps (every
+  `explore_every`); greedy output still equals target-only greedy decoding."""
+  from av_jax.selection import make_cost_model
+  engine, params = _engine(kind, mode, explore_every=3)
+  B, K = engine.config.num_slots, engine.config.max_draft
+  cost = make_cost_model(np.full(B + 1, 100.0), 1.0 + 0.02 * np.arange(B * (K + 1) + 1))
+  want = [fx.greedy_reference(False, p, n) for p, n in zip(PROMPTS, MAX_NEW)]
+  result = E.generate(engine, params, PROMPTS, max_new_tokens=MAX_NEW, key=fx.key(0),
+                      cost=cost, keep_infos=True)
+  assert [c.tokens for c in result.completions] == want
+  drafted = np.concatenate([i.drafted for i in result.infos])
+  steps = np.arange(drafted.size)
+  np.testing.assert_array_equal(drafted, steps % 3 == 0)
+  # Free drafting never closes the gate.
+  free = make_cost_model(np.full(B + 1, 1e-3), 1.0 + 0.02 * np.arange(B * (K + 1) + 1))
+  result = E.generate(engine, params, PROMPTS, max_new_tokens=MAX_NEW, key=fx.key(0),
+                      cost=free, keep_infos=True)
+  assert all(i.drafted.all() for i in result.infos)
+  assert [c.tokens for c in result.completions] == want

@@ -76,3 +76,26 @@ def test_generated_tokens_follow_target_distribution(kind, mode, top_p):
   for position, law in ((1, m1), (2, m2)):
     pvalue = _chisquare_pvalue(tokens[:, position], law)
     assert pvalue > 1e-4, (position, pvalue)
+
+
+def test_skipping_unprofitable_drafts_keeps_the_target_distribution():
+  """AV with a parallel drafter stops drafting while drafting does not pay (decided from
+  earlier steps only) and drafts again at exploration steps: both paths are exercised
+  and the emitted tokens still follow the target's law."""
+  from av_jax.selection import make_cost_model
+  cfg, drafter, params = fx.pair("block")
+  B, K = 64, 3
+  engine = E.make_engine(E.EngineConfig(num_slots=B, max_draft=K, max_len=32, mode="av",
+                                        temperature=1.0, steps_per_chunk=2, refit_interval=4,
+                                        explore_every=2), cfg, drafter)
+  # Drafting costs as much as a target step: it pays only with near-certain acceptance.
+  cost = make_cost_model(np.full(B + 1, 1.0), 1.0 + 0.002 * np.arange(B * (K + 1) + 1))
+  result = E.generate(engine, params, [PROMPT] * NUM_REQUESTS, max_new_tokens=3,
+                      key=fx.key(12), cost=cost, keep_infos=True)
+  drafted = np.concatenate([i.drafted[i.active > 0] for i in result.infos])
+  assert drafted.any() and not drafted.all()
+  tokens = np.array([c.tokens for c in result.completions])
+  m1, m2 = _exact_marginals(cfg, params.target, 1.0)
+  for position, law in ((1, m1), (2, m2)):
+    pvalue = _chisquare_pvalue(tokens[:, position], law)
+    assert pvalue > 1e-4, (position, pvalue)

@@ -63,6 +63,8 @@ class EngineConfig:
   eos_id: int = -1               # end-of-sequence token (-1: none)
   steps_per_chunk: int = 16      # decode steps per `run_chunk` (host sync granularity)
   record_features: bool = False  # StepInfo.extra holds every RECORDED_FEATURES (studies)
+  skip_unprofitable_drafts: bool = True  # AV, parallel drafters: no drafting while it
+                                         # does not pay (re-checked at exploration steps)
 
   def __post_init__(self):
     if self.mode not in MODES:
@@ -141,6 +143,7 @@ class StepInfo(NamedTuple):
   labeled: jax.Array       # [B, K] bool
   slot_active: jax.Array   # [B] bool
   extra: jax.Array         # [B, K, F] float32, RECORDED_FEATURES (F = 0 unless recording)
+  drafted: jax.Array       # [] bool, the step drafted (False: target-only step)
 
 
 class Params(NamedTuple):
@@ -193,13 +196,15 @@ def _planner(engine: Engine, cost: CostModel):
   cfg = engine.config
   policy = {"target_only": "none", "fixed": "fixed", "oracle": "fixed"}.get(cfg.mode,
                                                                            engine.policy)
-  return make_planner(cost, policy=policy, explore_every=cfg.explore_every)
+  return make_planner(cost, policy=policy, explore_every=cfg.explore_every,
+                      skip_unprofitable_drafts=_gated(engine))
 
 
 def default_cost(cfg: EngineConfig) -> CostModel:
   """A synthetic affine cost model: right for correctness, not for throughput."""
   B, K = cfg.num_slots, cfg.max_draft
-  return linear_cost_model(B, B * (K + 1), verify_fixed=1.0, verify_per_token=0.02)
+  return linear_cost_model(B, B * (K + 1), draft_fixed=0.1, verify_fixed=1.0,
+                           verify_per_token=0.02)
 
 
 def _empty_stats(cfg: EngineConfig) -> EngineStats:
@@ -313,8 +318,11 @@ def prefill(engine: Engine, params: Params, state: DecodeState, *, prompt: jax.A
 def _verify_packed(engine: Engine, target_params, cache, *, tokens, positions, valid):
   """Runs the target on the valid entries of `[B, K+1]` packed into the smallest bucket.
 
-  Returns dense `[B, K+1, V]` logits and `[B, K+1, D]` hidden states (junk where not
-  valid), the updated cache, and the bucket index.
+  The target's sampling distribution (temperature, top-p) is computed on the packed
+  rows, so its cost follows the bucket like the forward pass does.
+
+  Returns dense `[B, K+1, V]` target sampling probabilities and `[B, K+1, D]` hidden
+  states (junk where not valid), the updated cache, and the bucket index.
   """
   models = engine.models
   B, K1 = tokens.shape
@@ -336,12 +344,79 @@ def _verify_packed(engine: Engine, target_params, cache, *, tokens, positions, v
           target_params, pack(tokens, 0), slot=pack(slot_ids, 0),
           positions=pack(positions, 0), valid=pack(valid, False), cache=cache,
           cfg=models.target)
+      probs = sampling_probs(out.logits, temperature=engine.config.temperature,
+                             top_p=engine.config.top_p)
       gather = jnp.clip(index, 0, size - 1)
-      return out.logits[gather], out.hidden[gather], out.cache
+      return probs[gather], out.hidden[gather], out.cache
     return run
 
   logits, hidden, cache = jax.lax.switch(bucket, [branch(s) for s in sizes], cache)
   return logits, hidden, cache, bucket
+
+
+class _Drafted(NamedTuple):
+  """A step's drafts and their scores (placeholders when the step does not draft)."""
+  tokens: jax.Array     # [B, K] int32
+  probs: jax.Array      # [B, K, V] float32, q the drafts were drawn from
+  features: jax.Array   # [B, K] float32, logit_qmax
+  conf: jax.Array       # [B, K] float32, confidence-head probability (0 if none)
+  finite: jax.Array     # [B] bool, draft logits finite
+  extra: jax.Array      # [B, K, F] float32, recorded features
+  state: DrafterState   # drafter state to commit
+
+
+def _gated(engine: Engine) -> bool:
+  """Whether AV may skip drafting: parallel drafters only (they keep no cache that a
+  skipped step would leave behind), adaptive modes, and the config allows it."""
+  cfg = engine.config
+  return (cfg.skip_unprofitable_drafts and cfg.mode in ("av", "av_head")
+          and engine.drafter.mode == "parallel" and cfg.explore_every > 0)
+
+
+def _no_draft(engine: Engine, state: DecodeState) -> _Drafted:
+  cfg = engine.config
+  B, K, V = cfg.num_slots, cfg.max_draft, engine.models.target.vocab_size
+  F = len(RECORDED_FEATURES) if cfg.record_features else 0
+  return _Drafted(tokens=jnp.zeros((B, K), jnp.int32), probs=jnp.zeros((B, K, V), jnp.float32),
+                  features=jnp.zeros((B, K), jnp.float32), conf=jnp.zeros((B, K), jnp.float32),
+                  finite=jnp.ones((B,), bool), extra=jnp.zeros((B, K, F), jnp.float32),
+                  state=state.drafter)
+
+
+def _draft_and_score(engine: Engine, params: Params, state: DecodeState,
+                     key: jax.Array) -> _Drafted:
+  cfg = engine.config
+  B, K = cfg.num_slots, cfg.max_draft
+  draft = engine.drafter.draft(params.drafter, params.target, state.drafter, key, K=K,
+                               temperature=cfg.temperature, top_p=cfg.top_p)
+  # A fault is a NaN or +inf logit, or a position with every token banned; -inf entries
+  # alone are banned tokens, a valid distribution.
+  logits = draft.logits
+  sound = (~jnp.any(jnp.isnan(logits) | (logits == jnp.inf), axis=-1)
+           & jnp.any(logits > -jnp.inf, axis=-1))                          # [B, K]
+  finite = jnp.all(sound, axis=1)
+  draft_logits = jnp.where(finite[:, None, None], logits, 0.0)
+  # One top-p pass serves the draw, the feature (filtered entries are -inf, so logit_qmax
+  # of the log-probs is the feature of the sampled distribution) and q for verification:
+  # the drafter's own when it returns it.
+  if draft.log_probs is not None:
+    uniform = -jnp.log(jnp.float32(draft_logits.shape[-1]))  # unverified slots only
+    log_probs = jnp.where(finite[:, None, None], draft.log_probs, uniform)
+  else:
+    log_probs = sampling_log_probs(draft_logits, temperature=cfg.temperature, top_p=cfg.top_p)
+  if cfg.greedy:  # greedy drafting: q is the point mass on the arg-max
+    probs = jax.nn.one_hot(jnp.argmax(draft_logits, -1), draft_logits.shape[-1])
+  else:
+    probs = jnp.exp(log_probs)
+  conf = (jax.nn.sigmoid(draft.conf_logits) if draft.conf_logits is not None
+          else jnp.zeros((B, K), jnp.float32))
+  if cfg.record_features:  # measured only, never used to prune (the lossy ones read tokens)
+    extra = jnp.stack([FEATURES[name](log_probs, tokens=draft.tokens)
+                       for name in RECORDED_FEATURES], axis=-1)
+  else:
+    extra = jnp.zeros((B, K, 0), jnp.float32)
+  return _Drafted(tokens=draft.tokens, probs=probs, features=logit_qmax(log_probs), conf=conf,
+                  finite=finite, extra=extra, state=draft.state)
 
 
 def step(engine: Engine, params: Params, state: DecodeState) -> tuple[DecodeState, StepInfo]:
@@ -353,59 +428,40 @@ def step(engine: Engine, params: Params, state: DecodeState) -> tuple[DecodeStat
   key, k_draft, k_verify = jax.random.split(state.key, 3)
   active = state.active
 
-  # 1. Draft, and score the drafts (rule 1: from the distribution, never the token).
+  # 1. Draft, and score the drafts (rule 1: from the distribution, never the token). A
+  # step that verifies nothing drafts nothing: target-only decoding always, and AV with a
+  # parallel drafter after a step where drafting did not pay (until exploration).
   if cfg.mode == "target_only":
-    # Nothing is verified, so nothing is drafted or scored: placeholders at no cost (the
-    # baseline must not pay for a drafter it does not use).
-    V = engine.models.target.vocab_size
-    draft = DraftOutput(logits=None, tokens=jnp.zeros((B, K), jnp.int32), conf_logits=None,
-                        state=state.drafter)
-    finite = jnp.ones((B,), bool)
-    draft_log_probs = jnp.zeros((B, K, V), jnp.float32)
-    draft_probs = jnp.zeros((B, K, V), jnp.float32)
-    features = jnp.zeros((B, K), jnp.float32)
+    drafting = jnp.asarray(False)
+    drafted = _no_draft(engine, state)
+  elif _gated(engine):
+    drafting = planner.should_draft(state.planner)
+    drafted = jax.lax.cond(drafting, lambda: _draft_and_score(engine, params, state, k_draft),
+                           lambda: _no_draft(engine, state))
   else:
-    draft = engine.drafter.draft(params.drafter, params.target, state.drafter, k_draft, K=K,
-                                 temperature=cfg.temperature, top_p=cfg.top_p)
-    finite = jnp.all(jnp.isfinite(draft.logits), axis=(1, 2))
-    draft_logits = jnp.where(finite[:, None, None], draft.logits, 0.0)
-    # One top-p pass serves both the feature (filtered entries are -inf, so logit_qmax of
-    # the log-probs is the feature of the sampled distribution) and q for verification.
-    draft_log_probs = sampling_log_probs(draft_logits, temperature=cfg.temperature,
-                                         top_p=cfg.top_p)
-    features = logit_qmax(draft_log_probs)
-    if cfg.greedy:  # greedy drafting: q is the point mass on the arg-max
-      draft_probs = jax.nn.one_hot(jnp.argmax(draft_logits, -1), draft_logits.shape[-1])
-    else:
-      draft_probs = jnp.exp(draft_log_probs)
-  conf = (jax.nn.sigmoid(draft.conf_logits) if draft.conf_logits is not None
-          else jnp.zeros((B, K), jnp.float32))
+    drafting = jnp.asarray(True)
+    drafted = _draft_and_score(engine, params, state, k_draft)
+  finite, features, conf = drafted.finite, drafted.features, drafted.conf
   if cfg.mode == "av_head":
     probs = conf
   else:
     probs = est.predict(state.estimator, features)
 
-  if cfg.record_features:  # measured only, never used to prune (the lossy ones read tokens)
-    extra = jnp.stack([FEATURES[name](draft_log_probs, tokens=draft.tokens)
-                       for name in RECORDED_FEATURES], axis=-1)
-  else:
-    extra = jnp.zeros((B, K, 0), jnp.float32)
-
   # 2. Plan. A slot with non-finite draft logits falls back to target-only this step.
-  plan, planner_state = planner.plan(state.planner, probs, active=active & finite)
+  plan, planner_state = planner.plan(state.planner, probs, active=active & finite,
+                                     drafted=drafting)
   num_verified = jnp.where(active & finite, plan.num_verified, 0)
 
   # 3. Verify: base token + verified drafts, packed, one target pass.
   base = state.tokens[jnp.arange(B), state.length - 1]
-  verify_tokens = jnp.concatenate([base[:, None], draft.tokens], axis=1)     # [B, K+1]
+  verify_tokens = jnp.concatenate([base[:, None], drafted.tokens], axis=1)   # [B, K+1]
   j = jnp.arange(K + 1)[None, :]
   positions = state.length[:, None] - 1 + j
   valid = active[:, None] & (j <= num_verified[:, None])
-  target_logits, target_hidden, target_cache, bucket = _verify_packed(
+  target_probs, target_hidden, target_cache, bucket = _verify_packed(
       engine, params.target, state.target_cache, tokens=verify_tokens, positions=positions,
       valid=valid)
-  target_probs = sampling_probs(target_logits, temperature=cfg.temperature, top_p=cfg.top_p)
-  result = rejection_sample(k_verify, draft_probs=draft_probs, draft_tokens=draft.tokens,
+  result = rejection_sample(k_verify, draft_probs=drafted.probs, draft_tokens=drafted.tokens,
                             target_probs=target_probs, num_verified=num_verified)
   verified_count = num_verified
   if cfg.mode == "oracle":  # hindsight accounting: only the accepted drafts were needed
@@ -429,7 +485,7 @@ def step(engine: Engine, params: Params, state: DecodeState) -> tuple[DecodeStat
   if cfg.mode == "target_only":  # the drafter never runs; its state stays as it was
     committed = state.drafter
   else:
-    committed = engine.drafter.commit(draft.state, emitted_tokens=emitted,
+    committed = engine.drafter.commit(drafted.state, emitted_tokens=emitted,
                                       num_emitted=result.num_emitted,
                                       target_hidden=target_hidden)
   keep = lambda new, old: jnp.where(active.reshape((B,) + (1,) * (new.ndim - 1)), new, old)
@@ -460,7 +516,7 @@ def step(engine: Engine, params: Params, state: DecodeState) -> tuple[DecodeStat
   info = StepInfo(budget=jnp.minimum(plan.budget, B * K), verified=jnp.sum(verified_count), emitted=jnp.sum(n),
                   bucket=bucket, active=jnp.sum(active, dtype=jnp.int32), features=features,
                   probs=probs, conf=conf, accepted=result.accepted, labeled=labeled,
-                  slot_active=active, extra=extra)
+                  slot_active=active, extra=drafted.extra, drafted=drafting)
   return new_state, info
 
 

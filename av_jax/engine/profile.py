@@ -21,6 +21,7 @@ import numpy as np
 
 from av_jax.engine import core
 from av_jax.models import transformer
+from av_jax.models.sampling import sampling_probs
 from av_jax.selection import CostModel, make_cost_model
 
 
@@ -42,8 +43,11 @@ def measure(engine: core.Engine, params: core.Params, *, repeats: int = 5) -> di
   state = core.init_state(engine, params, jax.random.key(0, impl="rbg"))
 
   def verify(target_params, cache, tokens, slot, positions, valid):
-    return transformer.forward_packed(target_params, tokens, slot=slot, positions=positions,
-                                      valid=valid, cache=cache, cfg=models.target).logits
+    # What the engine's verify branch runs: the packed forward and the target's sampling
+    # distribution on the packed rows (see core._verify_packed).
+    logits = transformer.forward_packed(target_params, tokens, slot=slot, positions=positions,
+                                        valid=valid, cache=cache, cfg=models.target).logits
+    return sampling_probs(logits, temperature=cfg.temperature, top_p=cfg.top_p)
 
   verify = jax.jit(verify)
   bucket_ms = []
@@ -55,8 +59,12 @@ def measure(engine: core.Engine, params: core.Params, *, repeats: int = 5) -> di
     bucket_ms.append(_median_ms(verify, params.target, state.target_cache, tokens, slot,
                                 positions, jnp.ones((size,), bool), repeats=repeats))
 
-  draft = jax.jit(lambda dp, tp, ds, key: engine.drafter.draft(
-      dp, tp, ds, key, K=K, temperature=cfg.temperature, top_p=cfg.top_p).logits)
+  def draft(dp, tp, ds, key):  # drafting and its sampling (tokens, log-probs) as run
+    out = engine.drafter.draft(dp, tp, ds, key, K=K, temperature=cfg.temperature,
+                               top_p=cfg.top_p)
+    return out.logits, out.tokens, out.log_probs
+
+  draft = jax.jit(draft)
   draft_ms = _median_ms(draft, params.drafter, params.target, state.drafter,
                         jax.random.key(1, impl="rbg"), repeats=repeats)
   return dict(device_kind=jax.devices()[0].device_kind, buckets=list(engine.buckets),
@@ -75,10 +83,14 @@ def cost_model_from_profile(profile: dict, *, num_slots: int, max_tokens: int) -
   return make_cost_model(draft, verify)
 
 
+# Bumped whenever what `measure` times changes, so older cached profiles are not reused.
+PROFILE_VERSION = 2
+
+
 def cache_key(engine: core.Engine) -> str:
   cfg = dataclasses.asdict(engine.config)
   cfg.pop("steps_per_chunk")
-  blob = json.dumps([jax.devices()[0].device_kind, cfg, dataclasses.asdict(engine.models),
+  blob = json.dumps([PROFILE_VERSION, jax.devices()[0].device_kind, cfg, dataclasses.asdict(engine.models),
                      engine.drafter.kind], sort_keys=True, default=str)
   return hashlib.sha256(blob.encode()).hexdigest()[:16]
 

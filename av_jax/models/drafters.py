@@ -43,7 +43,7 @@ from av_jax import _checks
 from av_jax.models import transformer
 from av_jax.models.config import BlockConfig, EagleConfig, ModelsConfig, TransformerConfig
 from av_jax.models.layers import Block, LayerKV, RMSNorm
-from av_jax.models.sampling import sample_tokens
+from av_jax.models.sampling import sample_with_log_probs
 
 KINDS = ("draft_lm", "eagle", "block", "block_head")
 MODES = {"draft_lm": "autoregressive", "eagle": "autoregressive", "block": "parallel",
@@ -65,6 +65,10 @@ class DraftOutput(NamedTuple):
   tokens: jax.Array               # [B, K] int32 drawn draft tokens
   conf_logits: jax.Array | None   # [B, K] float32 confidence-head logits (block_head only)
   state: DrafterState             # state after drafting (commit before the next draft)
+  # [B, K, V] float32 log-probabilities the tokens were drawn from (temperature and top-p
+  # applied; the temperature-1 softmax when greedy), or None: the engine then recomputes
+  # them from `logits`.
+  log_probs: jax.Array | None = None
 
 
 class Drafter(NamedTuple):
@@ -264,21 +268,21 @@ def _make_draft_lm(cfg: ModelsConfig) -> Drafter:
     logits0 = _pick(out.logits, state.num_pending - 1)
     _, _, pos_n = _last_pending(state)
     keys = jax.random.split(key, K)
-    tok0 = sample_tokens(keys[0], logits0, temperature=temperature, top_p=top_p)
+    tok0, lp0 = sample_with_log_probs(keys[0], logits0, temperature=temperature, top_p=top_p)
 
     def step(carry, inp):
       cache, tok, pos = carry
       k, = inp
       o = transformer.forward(params, tok[:, None], pos[:, None], cache, cfg=lm_cfg)
       logits = o.logits[:, 0]
-      nxt = sample_tokens(k, logits, temperature=temperature, top_p=top_p)
-      return (o.cache, nxt, pos + 1), (logits, nxt)
+      nxt, lp = sample_with_log_probs(k, logits, temperature=temperature, top_p=top_p)
+      return (o.cache, nxt, pos + 1), (logits, nxt, lp)
 
-    (cache, _, _), (logits, toks) = jax.lax.scan(step, (out.cache, tok0, pos_n + 1),
-                                                 (keys[1:],))
-    logits = jnp.concatenate([logits0[:, None], jnp.moveaxis(logits, 0, 1)], 1)
-    toks = jnp.concatenate([tok0[:, None], jnp.moveaxis(toks, 0, 1)], 1)
-    return DraftOutput(logits, toks, None, state._replace(cache=cache))
+    (cache, _, _), (logits, toks, lps) = jax.lax.scan(step, (out.cache, tok0, pos_n + 1),
+                                                      (keys[1:],))
+    stack = lambda first, rest: jnp.concatenate([first[:, None], jnp.moveaxis(rest, 0, 1)], 1)
+    return DraftOutput(stack(logits0, logits), stack(tok0, toks), None,
+                       state._replace(cache=cache), stack(lp0, lps))
 
   return Drafter("draft_lm", MODES["draft_lm"], init_state, draft, commit)
 
@@ -327,7 +331,7 @@ def _make_eagle(cfg: ModelsConfig) -> Drafter:
     feat0, logits0 = _pick(feats, idx), _pick(logits, idx)
     _, _, pos_n = _last_pending(state)
     keys = jax.random.split(key, K)
-    tok0 = sample_tokens(keys[0], logits0, temperature=temperature, top_p=top_p)
+    tok0, lp0 = sample_with_log_probs(keys[0], logits0, temperature=temperature, top_p=top_p)
 
     def step(carry, inp):
       cache, feat, tok, pos = carry
@@ -335,14 +339,14 @@ def _make_eagle(cfg: ModelsConfig) -> Drafter:
       f, lg, cache = run(params, emb, feat[:, None], tok[:, None], pos[:, None], cache,
                          pos[:, None])
       f, lg = f[:, 0], lg[:, 0]
-      nxt = sample_tokens(k, lg, temperature=temperature, top_p=top_p)
-      return (cache, f, nxt, pos + 1), (lg, nxt)
+      nxt, lp = sample_with_log_probs(k, lg, temperature=temperature, top_p=top_p)
+      return (cache, f, nxt, pos + 1), (lg, nxt, lp)
 
-    (cache, _, _, _), (lgs, toks) = jax.lax.scan(step, (cache, feat0, tok0, pos_n),
-                                                 (keys[1:],))
-    lgs = jnp.concatenate([logits0[:, None], jnp.moveaxis(lgs, 0, 1)], 1)
-    toks = jnp.concatenate([tok0[:, None], jnp.moveaxis(toks, 0, 1)], 1)
-    return DraftOutput(lgs, toks, None, state._replace(cache=cache))
+    (cache, _, _, _), (lgs, toks, lps) = jax.lax.scan(step, (cache, feat0, tok0, pos_n),
+                                                      (keys[1:],))
+    stack = lambda first, rest: jnp.concatenate([first[:, None], jnp.moveaxis(rest, 0, 1)], 1)
+    return DraftOutput(stack(logits0, lgs), stack(tok0, toks), None,
+                       state._replace(cache=cache), stack(lp0, lps))
 
   return Drafter("eagle", MODES["eagle"], init_state, draft, commit)
 
@@ -370,8 +374,8 @@ def _make_block(cfg: ModelsConfig, kind: str) -> Drafter:
                                    hid, tok)
     logits = logits[:, :K]
     # All K distributions are fixed before any draw: independent draws per position.
-    toks = sample_tokens(key, logits, temperature=temperature, top_p=top_p)
-    return DraftOutput(logits, toks, None if conf is None else conf[:, :K], state)
+    toks, log_probs = sample_with_log_probs(key, logits, temperature=temperature, top_p=top_p)
+    return DraftOutput(logits, toks, None if conf is None else conf[:, :K], state, log_probs)
 
   return Drafter(kind, MODES[kind], init_state, draft, commit)
 

@@ -33,3 +33,20 @@ def sample_tokens(key: jax.Array, logits: jax.typing.ArrayLike, *,
   log_probs = sampling_log_probs(logits, temperature=temperature, top_p=top_p)
   drawn = jax.random.categorical(key, log_probs, axis=-1)
   return jnp.where(temperature <= 0, jnp.argmax(logits, -1), drawn).astype(jnp.int32)
+
+
+def sample_with_log_probs(key: jax.Array, logits: jax.typing.ArrayLike, *,
+                          temperature: jax.typing.ArrayLike, top_p: jax.typing.ArrayLike
+                          ) -> tuple[jax.Array, jax.Array]:
+  """`sample_tokens`, also returning the `[..., V]` log-probabilities drawn from.
+
+  The same draws as `sample_tokens` with the same key. Callers that need the sampling
+  distribution afterwards (the engine scores and verifies drafts against it) reuse it
+  instead of running temperature and top-p a second time.
+  """
+  logits = jnp.asarray(logits, jnp.float32)
+  temperature = jnp.asarray(temperature, jnp.float32)
+  log_probs = sampling_log_probs(logits, temperature=temperature, top_p=top_p)
+  drawn = jax.random.categorical(key, log_probs, axis=-1)
+  tokens = jnp.where(temperature <= 0, jnp.argmax(logits, -1), drawn).astype(jnp.int32)
+  return tokens, log_probs

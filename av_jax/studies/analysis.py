@@ -27,8 +27,7 @@ class Fit(NamedTuple):
 
   def predict(self, x: np.ndarray, position: np.ndarray) -> np.ndarray:
     slope = self.slope[position] if np.ndim(self.slope) else self.slope
-    z = slope * np.asarray(x, np.float64) + self.intercepts[position]
-    return 1.0 / (1.0 + np.exp(-z))
+    return sigmoid(slope * np.asarray(x, np.float64) + self.intercepts[position])
 
 
 def fit_logistic(x: np.ndarray, position: np.ndarray, label: np.ndarray, num_positions: int,
@@ -62,8 +61,7 @@ def fit_logistic(x: np.ndarray, position: np.ndarray, label: np.ndarray, num_pos
   design = np.concatenate([slope_cols, onehot], axis=1)     # [N, S + K]
   theta = np.zeros(design.shape[1])
   for _ in range(iters):
-    z = design @ theta
-    mu = 1.0 / (1.0 + np.exp(-z))
+    mu = sigmoid(design @ theta)
     w = mu * (1.0 - mu)
     grad = design.T @ (mu - y) + l2 * theta
     hess = (design * w[:, None]).T @ design + l2 * np.eye(theta.size)
@@ -127,7 +125,8 @@ def split_by_step(drafts: Drafts, fraction: float = 0.5) -> tuple[np.ndarray, np
 
 
 def sigmoid(x):
-  return 1.0 / (1.0 + np.exp(-np.asarray(x, np.float64)))
+  """Logistic function without overflow warnings (float64)."""
+  return 0.5 * (1.0 + np.tanh(0.5 * np.asarray(x, np.float64)))
 
 
 # name -> (feature column, fitted?, per-position slope?, lossless)

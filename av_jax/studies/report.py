@@ -305,7 +305,8 @@ def _plots(out_dir: str, results: dict, s) -> dict[str, str]:
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.set(xscale="log", xlabel="concurrency", ylabel=f"AV tokens/s / fixed K={s.k}",
            title="AV on vs off (side-by-side ratios; bars = spread over repeats)")
-    ax.legend(fontsize=6, ncol=2)
+    if keys:
+      ax.legend(fontsize=6, ncol=2)
     save(fig, "av_ratio.png")
   return files
 
@@ -421,9 +422,10 @@ def _markdown(results: dict, s, plots: dict) -> str:
           rows.append([d, w, c, _f(fx["tokens_per_s"], 1), _f(av["tokens_per_s"], 1),
                        f"{ra['median']:.3f} [{ra['min']:.3f}, {ra['max']:.3f}]",
                        _f(fx["tokens_per_step"], 2), _f(av["tokens_per_step"], 2),
-                       _f(av["verified_per_step"], 1)])
+                       _f(av["verified_per_step"], 1), _f(100 * av["drafted_share"], 0)])
     md += [_table(["drafter", "workload", "concurrency", f"fixed K={s.k} tok/s", "AV tok/s",
-                   "AV / fixed", "tok/step fixed", "tok/step AV", "verified/step AV"], rows)]
+                   "AV / fixed", "tok/step fixed", "tok/step AV", "verified/step AV",
+                   "AV steps drafting %"], rows)]
     md += [f"\nPareto ({s.pareto_drafter}, mixed workload): total tokens/s and per-request "
            "tokens/s per arm; `*` marks the arms on the frontier at that concurrency.\n"]
     arms = list(dict.fromkeys(r["arm"] for r in tp["summary"]

@@ -41,12 +41,13 @@ class Settings:
   top_p: float = 0.95
   k: int = 8
   label_slots: int = 64            # concurrency of the labelled-draft runs
-  label_steps: int = 96            # decode steps per (drafter, workload) stream
+  label_steps: int = 64            # decode steps per (drafter, workload) stream
+  label_drafters: tuple = DRAFTERS
   prompt_len: int = 32
   label_max_new: int = 48          # output limit per request in labelled runs
   refit_interval: int = 16         # estimator round length N (steps)
   drift_workloads: tuple = ("math", "prose", "math")
-  drift_steps: int = 192           # steps per drift segment (a multiple of refit_interval)
+  drift_steps: int = 128           # steps per drift segment (a multiple of refit_interval)
   drift_drafter: str = "block"
   warmup_rounds: int = 2           # served predictions of the first rounds are warm-up
   concurrencies: tuple = (1, 2, 4, 8, 16, 32, 64)
@@ -54,8 +55,8 @@ class Settings:
   pareto_drafter: str = "block"
   on_off_drafters: tuple = DRAFTERS
   per_workload_drafter: str = "block"
-  requests_per_slot: int = 2       # throughput requests = max(4, this * concurrency)
-  throughput_max_new: int = 48
+  requests_per_slot: int = 1       # throughput requests = max(4, this * concurrency)
+  throughput_max_new: int = 32
   repeats: int = 2
   overhead_repeats: int = 30
   seed: int = 0
@@ -63,9 +64,10 @@ class Settings:
   @classmethod
   def quick(cls) -> "Settings":
     """A reduced suite for a few minutes on a 2-core CPU: every study, fewer points."""
-    return cls(label_steps=24, refit_interval=8, drift_steps=40, concurrencies=(4, 64),
-               pareto_ks=(0, 2, 8), on_off_drafters=("block",), requests_per_slot=1,
-               throughput_max_new=24, label_max_new=24, repeats=1, overhead_repeats=10)
+    return cls(label_steps=16, label_drafters=("eagle", "block_head"), refit_interval=8,
+               drift_drafter="block_head", drift_steps=24, concurrencies=(64,),
+               pareto_ks=(0, 2, 8), on_off_drafters=("block",), throughput_max_new=24,
+               label_max_new=24, repeats=1, overhead_repeats=10)
 
 
 def hardware() -> dict:
@@ -102,10 +104,11 @@ def study_labels(pairs, s: Settings, log, progress: bool) -> dict:
   max_len = s.prompt_len + s.label_max_new + s.k + 8
   num_prompts = 4 * s.label_slots  # enough to keep every slot busy for the stream
   streams, traces = {}, {}
-  total = len(pairs) * len(WORKLOADS) * s.label_steps + len(s.drift_workloads) * s.drift_steps
+  total = len(s.label_drafters) * len(WORKLOADS) * s.label_steps + len(s.drift_workloads) * s.drift_steps
   bar = _bar(total, "labelled drafts", progress)
   engines = {}
-  for kind, pair in pairs.items():
+  for kind in s.label_drafters:
+    pair = pairs[kind]
     config = C.study_config(slots=s.label_slots, max_draft=s.k, max_len=max_len,
                             temperature=s.temperature, top_p=s.top_p,
                             refit_interval=s.refit_interval)
@@ -249,8 +252,8 @@ def run(args) -> int:
     print(msg, flush=True)
 
   log(f"{command}: writing {args.out}/studies.md")
-  kinds = sorted(set(DRAFTERS) if not args.quick else {"block", "block_head", "eagle"},
-                 key=DRAFTERS.index)
+  kinds = sorted(set(s.label_drafters) | set(s.on_off_drafters) | {
+      s.pareto_drafter, s.per_workload_drafter, s.drift_drafter}, key=DRAFTERS.index)
   pairs = {k: M.load(s.models, drafter=k) for k in kinds}
   results = dict(command=command, settings=dataclasses.asdict(s), hardware=hardware())
   timings = {}

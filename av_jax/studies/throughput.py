@@ -90,12 +90,12 @@ class Sweeper:
   def run(self, pair, slots: int, arm: Arm, prompts, *, max_new: int, repeat: int) -> dict:
     engine, cost = self.engine(pair, slots, arm, prompts)
     params = E.Params(target=pair.target_params, drafter=pair.drafter_params)
-    active, verified, buckets = [], [], []
+    active, verified, drafted = [], [], []
 
     def on_chunk(state, info):
       active.append(info.active)
       verified.append(info.verified)
-      buckets.append(info.bucket)
+      drafted.append(info.drafted)
 
     start = time.perf_counter()
     result = E.generate(engine, params, prompts, max_new_tokens=max_new,
@@ -104,6 +104,7 @@ class Sweeper:
     seconds = time.perf_counter() - start
     active = np.concatenate([np.asarray(a) for a in active])
     verified = np.concatenate([np.asarray(v) for v in verified])
+    drafted = np.concatenate([np.asarray(d) for d in drafted])
     busy = active > 0
     s = result.stats
     tok_s = s["emitted"] / seconds
@@ -114,7 +115,8 @@ class Sweeper:
                per_request_tokens_per_s=tok_s / mean_active,
                tokens_per_step=s["emitted"] / max(int(busy.sum()), 1),
                verified_per_step=float(verified[busy].mean()) if busy.any() else 0.0,
-               acceptance=s["accepted"] / max(s["labeled"], 1))
+               acceptance=s["accepted"] / max(s["labeled"], 1),
+               drafted_share=float(drafted[busy].mean()) if busy.any() else 0.0)
     if arm.mode == "oracle":
       profile = self.profile(pair, slots, arm)
       model = prof.cost_model_from_profile(profile, num_slots=slots,
@@ -146,6 +148,7 @@ def summarize(rows: Sequence[dict], keys=("drafter", "workload", "concurrency", 
                     tokens_per_step=float(np.median([r["tokens_per_step"] for r in rs])),
                     verified_per_step=float(np.median([r["verified_per_step"] for r in rs])),
                     acceptance=float(np.median([r["acceptance"] for r in rs])),
+                    drafted_share=float(np.median([r.get("drafted_share", 1.0) for r in rs])),
                     mode=rs[0]["mode"], k=rs[0]["k"]))
   return out
 

@@ -41,7 +41,7 @@ class Settings:
   top_p: float = 0.95
   k: int = 8
   label_slots: int = 64            # concurrency of the labelled-draft runs
-  label_steps: int = 64            # decode steps per (drafter, workload) stream
+  label_steps: int = 48            # decode steps per (drafter, workload) stream
   label_drafters: tuple = DRAFTERS
   prompt_len: int = 32
   label_max_new: int = 48          # output limit per request in labelled runs
@@ -64,10 +64,10 @@ class Settings:
   @classmethod
   def quick(cls) -> "Settings":
     """A reduced suite for a few minutes on a 2-core CPU: every study, fewer points."""
-    return cls(label_steps=16, label_drafters=("eagle", "block_head"), refit_interval=8,
-               drift_drafter="block_head", drift_steps=24, concurrencies=(64,),
-               pareto_ks=(0, 2, 8), on_off_drafters=("block",), throughput_max_new=24,
-               label_max_new=24, repeats=1, overhead_repeats=10)
+    return cls(label_steps=12, label_drafters=("block_head",), refit_interval=8,
+               warmup_rounds=1, drift_drafter="block_head", drift_steps=16,
+               concurrencies=(64,), pareto_ks=(0, 2, 8), on_off_drafters=("block",),
+               throughput_max_new=24, label_max_new=24, repeats=1, overhead_repeats=10)
 
 
 def hardware() -> dict:

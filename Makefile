@@ -16,7 +16,7 @@ demo: $(STAMP)
 	$(PY) -m av_jax.cli demo
 
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2 tests
+	$(PY) -m pytest -q -n 2 --dist worksteal tests
 
 bench-overhead: $(STAMP)
 	$(PY) -m pip install -q -e '.[bench]'

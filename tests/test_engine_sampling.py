@@ -58,7 +58,6 @@ def _chisquare_pvalue(samples, probs):
     ("block_head", "av_head", 1.0),
     ("eagle", "av", 0.9),
     ("draft_lm", "av", 1.0),
-    ("draft_lm", "fixed", 1.0),
 ])
 def test_generated_tokens_follow_target_distribution(kind, mode, top_p):
   cfg, drafter, params = fx.pair(kind)

@@ -18,7 +18,7 @@ def test_sharded_generation_equals_single_device():
   assert proc.returncode == 0, proc.stderr[-4000:]
   line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")][-1]
   results = json.loads(line[len("RESULT "):])
-  assert len(results) == 2
+  assert len(results) == 1
   for name, r in results.items():
     assert r["equal"], name                      # same tokens for the same seed
     assert r["refits"] >= 2, name                # the estimator refit while sharded

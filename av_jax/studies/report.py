@@ -146,7 +146,8 @@ def goals(results: dict, s) -> list[list]:
     fitted = next(r for r in lab["feature_table"] if r["predictor"] == ESTIMATOR)["ece"]
     out.append(["Estimator ECE <= 0.01 pooled after warm-up",
                 f"served online {_f(e, 4)}; fitted out of sample {_f(fitted, 4)}",
-                "met" if e <= 0.01 else f"missed by {e - 0.01:.4f}"])
+                "met" if e <= 0.01 else (f"missed by {e - 0.01:.4f}" if np.isfinite(e) else
+                                         "not measured: no round after warm-up")])
     cmp = lab.get("estimator_vs_head")
     if cmp:
       est, head = cmp[ESTIMATOR]["auc_at"], cmp[HEAD]["auc_at"]
@@ -189,6 +190,114 @@ def goals(results: dict, s) -> list[list]:
   return out
 
 
+def cost_structure(results: dict, s) -> dict | None:
+  """What speculation costs on this machine, from the measured throughput runs.
+
+  At the largest concurrency B (the Pareto drafter, mixed workload): the target-only
+  step time, the fixed-K step time, the marginal cost of one more verified draft
+  (including drafting it) and the survival a draft needs to pay for itself,
+  `s* = marginal / (target-only time per token)`.
+  """
+  tp = results.get("throughput")
+  if not tp:
+    return None
+  B = max(s.concurrencies)
+  rows = [r for r in tp["rows"] if r["drafter"] == s.pareto_drafter and r["workload"] == "mixed"
+          and r["concurrency"] == B]
+  step_ms = lambda mode, k: np.median([1e3 * r["seconds"] / max(r["steps"], 1) for r in rows
+                                       if r["mode"] == mode and r["k"] == k] or [np.nan])
+  tok_s = lambda mode, k: np.median([r["tokens_per_s"] for r in rows
+                                     if r["mode"] == mode and r["k"] == k] or [np.nan])
+  t0, tk = step_ms("target_only", 1), step_ms("fixed", s.k)
+  if not (np.isfinite(t0) and np.isfinite(tk)):
+    return None
+  marginal = (tk - t0) / (B * s.k)
+  return dict(batch=B, target_only_step_ms=float(t0), fixed_step_ms=float(tk),
+              marginal_ms_per_draft=float(marginal), target_only_ms_per_token=float(t0 / B),
+              break_even_survival=float(marginal / (t0 / B)),
+              target_only_tokens_per_s=float(tok_s("target_only", 1)),
+              fixed_tokens_per_s=float(tok_s("fixed", s.k)),
+              av_tokens_per_s=float(tok_s("av", s.k)))
+
+
+def why(results: dict, s) -> list[str]:
+  """Why each missed goal was missed, with the measured numbers behind it."""
+  out = []
+  verdicts = {g[0]: g[2] for g in results["goals"]}
+  missed = lambda prefix: any(k.startswith(prefix) and v != "met" for k, v in verdicts.items())
+  lab, cs, ov = results.get("labels"), results.get("cost_structure"), results.get("overhead")
+  if lab and missed("Estimator ECE"):
+    fitted = next(r for r in lab["feature_table"] if r["predictor"] == ESTIMATOR)
+    out.append(
+        f"**Estimator ECE.** The same model fitted offline on the first half of each stream "
+        f"and scored on the second reaches ECE {_f(fitted['ece'], 4)}; the served "
+        f"predictions ({_f(lab['served_after_warmup']['ece'], 4)}) come from coefficients "
+        f"refitted once per {s.refit_interval}-step round by one damped Newton step "
+        "(damping c = 50 labels), so they trail the stream: with continuous batching the mix "
+        "of request depths and prompts changes from round to round, and short streams leave "
+        "few rounds after warm-up. Per-drafter served ECE is in section 2. Longer streams "
+        "(the soak in BENCHMARKS.md runs 10,000 steps) give the estimator time to settle.")
+  if lab and missed("Estimator AUC"):
+    cmp = lab.get("estimator_vs_head", {})
+    gaps = ""
+    if cmp:
+      gaps = ", ".join(f"{a - b:+.3f}" for a, b in zip(cmp[ESTIMATOR]["auc_at"][1:],
+                                                        cmp[HEAD]["auc_at"][1:]))
+    out.append(
+        "**AUC against the trained head.** Our head (block_head) was trained on these "
+        "workloads with this drafter and target, and reads the drafter's hidden state, "
+        "which carries context the draft distribution's top probability does not; "
+        f"estimator minus head per position from 2 on: {gaps}. The note's estimator won "
+        "from position 2 on against a head trained elsewhere; here the head is in-domain.")
+  if cs and missed("AV >= best fixed K"):
+    out.append(
+        f"**AV against the best fixed K (here: no speculation).** On this CPU the target is "
+        f"compute-bound: at B={cs['batch']} a target-only step takes "
+        f"{cs['target_only_step_ms']:.0f} ms ({cs['target_only_ms_per_token']:.2f} ms per "
+        f"token) while every extra verified draft adds {cs['marginal_ms_per_draft']:.2f} ms "
+        f"(fixed K={s.k}: {cs['fixed_step_ms']:.0f} ms per step), so a draft pays only if its "
+        f"survival exceeds {cs['break_even_survival']:.2f}; speculation of any kind loses to "
+        f"target-only decoding ({cs['target_only_tokens_per_s']:.0f} tok/s vs "
+        f"{cs['fixed_tokens_per_s']:.0f} for fixed K={s.k}). AV detects this, stops drafting "
+        f"except at exploration steps (section 5, drafting %) and reaches "
+        f"{cs['av_tokens_per_s']:.0f} tok/s; the remaining gap is the exploration steps, which "
+        "keep the estimator supplied with labels. On accelerators verifying K+1 tokens costs "
+        "about one memory-bound decode step, the break-even survival is near 0, and the "
+        "ordering reverses.")
+  if missed("AV >= 1.15x"):
+    out.append("**AV against fixed K at the largest concurrency.** See the cost structure "
+               "above: the ratio is bounded by how much of fixed K's step is verification.")
+  if ov and missed("AV decision"):
+    amortized = None
+    tp = results.get("throughput")
+    if tp:
+      av = [r for r in tp["summary"] if r["mode"] == "av" and r["concurrency"] == ov["batch"]]
+      share = np.median([r.get("drafted_share", 1.0) for r in av]) if av else 1.0
+      amortized = ov["share"] * share
+    out.append(
+        f"**Decision overhead.** The decision reads all B·K·V = "
+        f"{ov['batch'] * ov['k'] * ov['vocab']:,} draft log-probabilities once (the feature "
+        f"pass; the estimator and planner are O(B·K)); our target has 4 layers of width 192, "
+        f"so a decode step is cheap next to a vocabulary-wide pass — a 1B-parameter target "
+        f"costs about 100x more per token while the decision stays the same. AV decides only "
+        f"on steps that draft; amortized over all AV steps the share is "
+        f"{_f(100 * amortized if amortized is not None else None, 1)}%.")
+  return out
+
+
+def render(out_dir: str) -> None:
+  """Rewrites studies.md and the plots from studies.json (no decoding)."""
+  from av_jax.studies.run import Settings
+  with open(os.path.join(out_dir, "studies.json")) as f:
+    results = json.load(f)
+  fields = {k: tuple(v) if isinstance(v, list) else v for k, v in results["settings"].items()}
+  s = Settings(**fields)
+  tp = results.get("throughput")
+  if tp:
+    tp["pareto"] = {int(c): v for c, v in tp["pareto"].items()}
+  _finish(out_dir, results, s)
+
+
 def write(out_dir: str, results: dict, s, *, labels=None, throughput_rows=None,
           overhead=None) -> None:
   if labels is not None:
@@ -197,7 +306,13 @@ def write(out_dir: str, results: dict, s, *, labels=None, throughput_rows=None,
     results["throughput"] = analyse_throughput(throughput_rows, s)
   if overhead is not None:
     results["overhead"] = overhead
+  _finish(out_dir, results, s)
+
+
+def _finish(out_dir: str, results: dict, s) -> None:
+  results["cost_structure"] = cost_structure(results, s)
   results["goals"] = goals(results, s)
+  results["why"] = why(results, s)
   plots = _plots(out_dir, results, s)
   with open(os.path.join(out_dir, "studies.json"), "w") as f:
     json.dump(results, f, indent=1, default=_json_default)
@@ -329,6 +444,8 @@ def _markdown(results: dict, s, plots: dict) -> str:
         "run (interleaved repeats) and reported as ratios; absolute tokens/s are for this "
         "machine only.\n", "## Goals\n",
         _table(["goal", "measured", "verdict"], results["goals"]), ""]
+  if results.get("why"):
+    md += ["\nWhere a goal is missed, why:\n"] + [f"- {w}" for w in results["why"]]
   lab = results.get("labels")
   if lab:
     md += ["\n## 1. Labelled drafts\n",

@@ -231,6 +231,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
   p.add_argument("--out", default="reports", help="output folder")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--no-progress", action="store_true", help="no progress bars")
+  p.add_argument("--render-only", action="store_true",
+                 help="rewrite studies.md and the plots from an existing studies.json")
   p.add_argument("--skip", default="", help="comma-separated studies to skip: "
                  "labels,throughput,overhead")
 
@@ -238,6 +240,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
 def run(args) -> int:
   from av_jax import models as M
   from av_jax.studies import report
+  if args.render_only:
+    report.render(args.out)
+    print(f"rendered {args.out}/studies.md from {args.out}/studies.json")
+    return 0
   start = time.perf_counter()
   s = Settings.quick() if args.quick else Settings()
   s.seed = args.seed

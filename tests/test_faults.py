@@ -40,9 +40,11 @@ MAX_NEW = [10, 12, 8]
 def _poisoning() -> Drafter:
   """The copy-target draft LM, with params `(draft_lm_params, poison [B])`.
 
-  `draft` adds `poison[b]` to one entry of slot b's logits (position b % K, token 0):
-  0 leaves the slot clean, NaN / +inf / -inf corrupt it. The poison is data, so a
-  different fault pattern every step needs no recompile. Cached: one object, so the
+  `draft` adds `poison[b]` to one entry of slot b's logits and log-probabilities
+  (position b % K, token 0): 0 leaves the slot clean, NaN / +inf corrupt it, -inf bans
+  token 0 there (a valid distribution; applied only where token 0 was not the drawn
+  token, so the drafts stay consistent with their distribution). The poison is data, so
+  a different fault pattern every step needs no recompile. Cached: one object, so the
   engines (and their compiled programs) are shared by every test.
   """
   inner = fx.pair("draft_lm", copy_target=True)[1]
@@ -54,7 +56,10 @@ def _poisoning() -> Drafter:
     inner_params, poison = params
     out = inner.draft(inner_params, target_params, state, key, **kwargs)
     rows = jnp.arange(out.logits.shape[0])
-    return out._replace(logits=out.logits.at[rows, rows % out.logits.shape[1], 0].add(poison))
+    pos = rows % out.logits.shape[1]
+    poison = jnp.where(jnp.isneginf(poison) & (out.tokens[rows, pos] == 0), 0.0, poison)
+    hit = lambda x: None if x is None else x.at[rows, pos, 0].add(poison)
+    return out._replace(logits=hit(out.logits), log_probs=hit(out.log_probs))
 
   return Drafter(inner.kind, inner.mode, init_state, draft, inner.commit)
 
@@ -206,17 +211,21 @@ def test_nonfinite_draft_logits_fall_back_per_slot(cost_kind):
         np.testing.assert_array_equal(getattr(info_p, name)[1], getattr(info_c, name)[1])
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "engine bug: core.step treats any non-finite draft logit as a fault, so a drafter that "
-    "bans tokens with -inf (allowed by features.sampling_log_probs) silently loses "
-    "speculation on every step and is counted in stats.nonfinite"))
 def test_banned_token_logits_are_not_faults():
+  # Slot 1 bans a token at one position every step (-inf): a valid distribution, not a
+  # fault. It keeps speculating exactly as in the clean run.
   schedule = np.zeros((STEPS, B), np.float32)
-  schedule[:, 1] = -np.inf  # slot 1 bans token 0 at one position: a valid distribution
-  state, records = _run_steps(_engine(), schedule, _verify_all_cost())
+  schedule[:, 1] = -np.inf
+  state, banned = _run_steps(_engine(), schedule, _verify_all_cost())
+  _, clean = _run_steps(_engine(), np.zeros_like(schedule), _verify_all_cost())
   assert _outputs(state) == _want(PROMPTS, MAX_NEW)
   assert int(state.stats.nonfinite) == 0
-  assert any(info.labeled[1].any() for _, info in records)
+  assert len(banned) == len(clean)
+  for (before_b, info_b), (before_c, info_c) in zip(banned, clean):
+    np.testing.assert_array_equal(before_b[0], before_c[0])
+    np.testing.assert_array_equal(info_b.labeled, info_c.labeled)
+    np.testing.assert_array_equal(info_b.accepted, info_c.accepted)
+  assert any(info.labeled[1].any() for _, info in banned)
 
 
 # ------------------------------------------------------------------------- 2. bad prompts

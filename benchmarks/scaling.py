@@ -11,10 +11,13 @@ Two measurements (docs/scaling.md):
 * `--part collectives`: compiles one engine step (shapes only, nothing is allocated) on fake
   CPU meshes of (data, 1) and (1, model) devices and lists every collective in the compiled
   program with its shape and bytes: what crosses the 'data' axis (hosts, in a multi-host
-  run) and what crosses the 'model' axis, per decode step and per packed bucket.
+  run) and what crosses the 'model' axis, per decode step and per packed bucket. The
+  engine verifies with one packed group per 'data' shard, as `generate(mesh=...)` runs it
+  (`--verify-groups 1`: one packed buffer for all slots, the layout before verify groups).
 
     .venv/bin/python benchmarks/scaling.py                      # decision grid, ~2-3 min
     .venv/bin/python benchmarks/scaling.py --part collectives   # ~1-2 min
+    .venv/bin/python benchmarks/scaling.py --part collectives --verify-groups 1
 """
 
 from __future__ import annotations
@@ -41,10 +44,13 @@ def parse_args(argv=None):
                  help="cap repeats so repeats * logits GiB <= this (keeps big sizes short)")
   p.add_argument("--warmup", type=int, default=2, help="untimed steps per size")
   p.add_argument("--models", default="default", help="model config of the census")
+  p.add_argument("--verify-groups", default="auto",
+                 help="census: EngineConfig.verify_groups, an int or 'auto' (the 'data' size)")
   p.add_argument("--out", default=None, help="JSON results path")
   args = p.parse_args(argv)
   for name in ("B", "K", "V"):
     setattr(args, name, [int(x) for x in getattr(args, name).split(",")])
+  args.verify_groups = None if args.verify_groups == "auto" else int(args.verify_groups)
   return args
 
 
@@ -204,8 +210,12 @@ def collectives(hlo_text: str) -> list[dict]:
 
 
 def census(models_name: str, *, data: int, model: int, num_slots: int, max_draft: int,
-           max_len: int, drafter: str = "block", num_buckets: int = 2) -> dict:
-  """Compiles one engine step (a chunk of 1 step) on a (data, model) mesh from shapes."""
+           max_len: int, drafter: str = "block", num_buckets: int = 2,
+           verify_groups: int | None = None) -> dict:
+  """Compiles one engine step (a chunk of 1 step) on a (data, model) mesh from shapes.
+
+  `verify_groups` None means what `generate(mesh=...)` runs: one group per 'data' shard.
+  """
   import jax
   from av_jax import engine as E
   from av_jax import models as M
@@ -214,7 +224,8 @@ def census(models_name: str, *, data: int, model: int, num_slots: int, max_draft
   drafter_fns = M.make_drafter(drafter, cfg)
   engine = E.make_engine(E.EngineConfig(num_slots=num_slots, max_draft=max_draft,
                                         max_len=max_len, mode="av", temperature=1.0,
-                                        steps_per_chunk=1, num_buckets=num_buckets),
+                                        steps_per_chunk=1, num_buckets=num_buckets,
+                                        verify_groups=verify_groups),
                          cfg, drafter_fns)
   params = jax.eval_shape(lambda: E.Params(
       target=M.init_params(cfg.target, jax.random.key(0)),
@@ -222,13 +233,16 @@ def census(models_name: str, *, data: int, model: int, num_slots: int, max_draft
   devices = jax.devices()[:data * model]
   import numpy as np
   mesh = sharding.make_mesh(data, model, devices=np.asarray(devices).reshape(data, model))
+  engine = sharding.for_mesh(engine, mesh)
   state = jax.eval_shape(lambda p: E.init_state(engine, p, jax.random.key(0)), params)
   with jax.set_mesh(mesh):
     _, chunk = batching.compiled_sharded(engine, mesh, params, state)
     text = chunk.lower(params, state).compile().as_text()
   t = cfg.target
   return dict(models=models_name, drafter=drafter, data=data, model=model, B=num_slots,
-              K=max_draft, M=max_len, buckets=list(engine.buckets), L=t.num_layers,
+              K=max_draft, M=max_len, buckets=list(engine.buckets),
+              verify_groups=engine.config.groups,
+              group_buckets=list(engine.config.group_bucket_sizes()), L=t.num_layers,
               H=t.num_heads, Dh=t.head_dim, D=t.d_model, F=t.mlp_dim, V=t.vocab_size,
               collectives=collectives(text))
 
@@ -245,11 +259,12 @@ def run_collectives(args) -> dict:
               dict(data=1, model=2, num_slots=16, max_draft=8, max_len=256)]
   for s in settings:
     t0 = time.time()
-    r = census(args.models, **s)
+    r = census(args.models, verify_groups=args.verify_groups, **s)
     results.append(r)
     axis = "data" if s["data"] > 1 else "model"
     print(f"\n## mesh data={s['data']} model={s['model']} (collectives cross '{axis}'); "
-          f"B={r['B']} K={r['K']} M={r['M']} buckets {r['buckets']}; L={r['L']} H={r['H']} "
+          f"B={r['B']} K={r['K']} M={r['M']} buckets {r['buckets']} (G={r['verify_groups']} "
+          f"groups of {r['group_buckets']}); L={r['L']} H={r['H']} "
           f"Dh={r['Dh']} D={r['D']} F={r['F']} V={r['V']}  [{time.time() - t0:.0f} s]")
     total = {}
     for c in r["collectives"]:

@@ -129,7 +129,9 @@ def generate(engine: core.Engine, params: core.Params, prompts: Sequence[Sequenc
       (streaming, progress).
     state: continue from this decode state instead of a fresh one (must be idle).
     mesh: a ('data', 'model') `jax.sharding.Mesh` (`av_jax.engine.sharding.make_mesh`):
-      slots over 'data', heads and MLP width over 'model'. None runs on one device.
+      slots over 'data', heads and MLP width over 'model'. None runs on one device. An
+      engine whose `verify_groups` is None runs with one verify group per 'data' shard
+      (`sharding.for_mesh`), so verification stays on each shard.
     stop_after_chunks: end the run after this many chunks even if requests remain
       (unfinished completions are None); with `checkpoint_path`, the decode state and the
       queue are saved there first.
@@ -141,6 +143,9 @@ def generate(engine: core.Engine, params: core.Params, prompts: Sequence[Sequenc
   Returns:
     A `GenerateResult`.
   """
+  if mesh is not None:
+    from av_jax.engine import sharding
+    engine = sharding.for_mesh(engine, mesh)  # one verify group per 'data' shard
   cfg = engine.config
   B = cfg.num_slots
   prefill, chunk, init = compiled(engine)

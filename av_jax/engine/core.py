@@ -65,6 +65,10 @@ class EngineConfig:
   record_features: bool = False  # StepInfo.extra holds every RECORDED_FEATURES (studies)
   skip_unprofitable_drafts: bool = True  # AV, parallel drafters: no drafting while it
                                          # does not pay (re-checked at exploration steps)
+  verify_groups: int | None = None  # G, verification packs G contiguous groups of B/G slots
+                                    # separately (data-parallel when G is a multiple of the
+                                    # mesh's 'data' size); None: 1, or under
+                                    # `generate(mesh=...)` the 'data' size
 
   def __post_init__(self):
     if self.mode not in MODES:
@@ -76,20 +80,48 @@ class EngineConfig:
       raise ValueError(f"max_len: expected >= max_draft + 3, got {self.max_len}")
     if not 0.0 < self.top_p <= 1.0:
       raise ValueError(f"top_p: expected a value in (0, 1], got {self.top_p}")
+    if self.verify_groups is not None:
+      if (isinstance(self.verify_groups, bool)
+          or not isinstance(self.verify_groups, (int, np.integer))):
+        raise ValueError(f"verify_groups: expected an int or None, got "
+                         f"{self.verify_groups!r}")
+      if self.verify_groups < 1 or self.num_slots % self.verify_groups:
+        raise ValueError(f"verify_groups: expected a positive divisor of num_slots = "
+                         f"{self.num_slots}, got {self.verify_groups}")
+      if self.buckets is not None and any(int(b) % self.verify_groups for b in self.buckets):
+        raise ValueError(f"buckets: with verify_groups = {self.verify_groups} every size "
+                         f"must be a multiple of it (G groups of T/G), got {self.buckets}")
 
   @property
   def greedy(self) -> bool:
     return self.temperature <= 0
 
+  @property
+  def groups(self) -> int:
+    """G, the number of verify groups (`verify_groups`, 1 when None)."""
+    return self.verify_groups or 1
+
   def bucket_sizes(self) -> tuple[int, ...]:
-    """Packed-token sizes T, ascending; the last holds every slot's K + 1 tokens."""
-    B, K = self.num_slots, self.max_draft
+    """Packed-token sizes T of all groups together, ascending (G x `group_bucket_sizes`).
+
+    The last holds every slot's K + 1 tokens. These are the sizes the cost tables and
+    `StepInfo.bucket` refer to: a step verifying R + n tokens in all costs what bucket
+    T >= R + n costs, which is exact for G = 1 and assumes the tokens spread evenly over
+    the groups otherwise (the step really runs the bucket of its fullest group).
+    """
+    return tuple(self.groups * s for s in self.group_bucket_sizes())
+
+  def group_bucket_sizes(self) -> tuple[int, ...]:
+    """Per-group packed sizes T_g, ascending; the last holds B/G slots' K + 1 tokens."""
+    G, K = self.groups, self.max_draft
+    B = self.num_slots // G  # slots per group
     top = B * (K + 1)
     if self.buckets is not None:
       sizes = sorted(set(int(b) for b in self.buckets))
       if sizes[0] < 1:
         raise ValueError(f"buckets: expected positive sizes, got {self.buckets}")
-      return tuple(sizes) if sizes[-1] >= top else tuple(sizes) + (top,)
+      sizes = tuple(s // G for s in sizes)  # multiples of G (checked at construction)
+      return sizes if sizes[-1] >= top else sizes + (top,)
     if self.mode in ("target_only",):
       return (B,)
     if self.mode in ("fixed", "oracle"):
@@ -315,43 +347,98 @@ def prefill(engine: Engine, params: Params, state: DecodeState, *, prompt: jax.A
       key=key)
 
 
-def _verify_packed(engine: Engine, target_params, cache, *, tokens, positions, valid):
-  """Runs the target on the valid entries of `[B, K+1]` packed into the smallest bucket.
+def group_cache(cache: transformer.KVCache, groups: int) -> transformer.KVCache:
+  """`[L, B, M, H, Dh]` -> `[L, G, B/G, M, H, Dh]`: contiguous slot groups (a free reshape;
+  with slots sharded in blocks over 'data', the group axis takes the slot sharding)."""
+  return transformer.KVCache(*(x.reshape(x.shape[:1] + (groups, -1) + x.shape[2:])
+                               for x in cache))
 
-  The target's sampling distribution (temperature, top-p) is computed on the packed
-  rows, so its cost follows the bucket like the forward pass does.
+
+def verify_forward(engine: Engine, target_params, cache: transformer.KVCache, *,
+                   tokens: jax.Array, slot: jax.Array, positions: jax.Array,
+                   valid: jax.Array):
+  """The verify program of one bucket: each group's packed forward and sampling probs.
+
+  Args:
+    engine: the engine (temperature, top-p, target config).
+    target_params: target parameters.
+    cache: target `KVCache` grouped as `[L, G, B/G, M, H, Dh]` (`group_cache`).
+    tokens: `[G, T_g]` int32 packed tokens of each group.
+    slot: `[G, T_g]` int32 slot of each token within its group (0 .. B/G - 1).
+    positions: `[G, T_g]` int32 position of each token.
+    valid: `[G, T_g]` bool, False for padding.
+
+  Returns:
+    `(probs [G, T_g, V], hidden [G, T_g, D], cache [L, G, B/G, M, H, Dh])`: the target's
+    sampling distribution (temperature, top-p) and final hidden state of every packed
+    token, and the cache with the valid tokens' keys and values written.
+  """
+  cfg = engine.config
+
+  def one(cache, tokens, slot, positions, valid):
+    out = transformer.forward_packed(target_params, tokens, slot=slot, positions=positions,
+                                     valid=valid, cache=cache, cfg=engine.models.target)
+    probs = sampling_probs(out.logits, temperature=cfg.temperature, top_p=cfg.top_p)
+    return probs, out.hidden, out.cache
+
+  if tokens.shape[0] == 1:  # one group: the plain packed program, no batch axis
+    squeeze = lambda x: x[0]
+    probs, hidden, new = one(transformer.KVCache(*(x[:, 0] for x in cache)),
+                             *map(squeeze, (tokens, slot, positions, valid)))
+    return probs[None], hidden[None], transformer.KVCache(*(x[:, None] for x in new))
+  cache_axes = transformer.KVCache(1, 1)
+  return jax.vmap(one, in_axes=(cache_axes, 0, 0, 0, 0), out_axes=(0, 0, cache_axes))(
+      cache, tokens, slot, positions, valid)
+
+
+def _verify_packed(engine: Engine, target_params, cache, *, tokens, positions, valid):
+  """Runs the target on the valid entries of `[B, K+1]`, packed per verify group.
+
+  The B slots form G = `verify_groups` contiguous groups of B/G. Each group packs its
+  valid tokens into its own buffer; all groups use the smallest per-group bucket T_g that
+  holds the fullest group, so the target runs on `[G, T_g]` tokens (`lax.switch` over one
+  program per bucket) and each token attends to its slot's cache within its group. With
+  the slots sharded in blocks over 'data' and G a multiple of its size, every group lives
+  on one shard and verification needs no cross-shard traffic beyond the bucket choice (a
+  scalar maximum). The target's sampling distribution (temperature, top-p) is computed
+  on the packed rows, so its cost follows the bucket like the forward pass does.
 
   Returns dense `[B, K+1, V]` target sampling probabilities and `[B, K+1, D]` hidden
   states (junk where not valid), the updated cache, and the bucket index.
   """
-  models = engine.models
+  G = engine.config.groups
   B, K1 = tokens.shape
-  sizes = engine.buckets
-  per_slot = jnp.sum(valid, axis=1)
-  offsets = jnp.cumsum(per_slot) - per_slot                        # [B]
-  index = offsets[:, None] + jnp.arange(K1)[None, :]                # [B, K+1]
-  total = jnp.sum(per_slot)
-  bucket = jnp.minimum(jnp.searchsorted(jnp.asarray(sizes), total, side="left"),
+  sizes = engine.config.group_bucket_sizes()
+  grouped = lambda x: x.reshape((G, B // G) + x.shape[1:])
+  tokens, positions, valid = grouped(tokens), grouped(positions), grouped(valid)
+  per_slot = jnp.sum(valid, axis=2)                                # [G, B/G]
+  offsets = jnp.cumsum(per_slot, axis=1) - per_slot                # [G, B/G]
+  index = offsets[..., None] + jnp.arange(K1)                      # [G, B/G, K+1]
+  fullest = jnp.max(jnp.sum(per_slot, axis=1))
+  bucket = jnp.minimum(jnp.searchsorted(jnp.asarray(sizes), fullest, side="left"),
                        len(sizes) - 1).astype(jnp.int32)
-  slot_ids = jnp.broadcast_to(jnp.arange(B)[:, None], (B, K1))
+  slot_ids = jnp.broadcast_to(jnp.arange(B // G)[:, None], index.shape[1:])  # local slots
+  flat_rows = lambda x: x.reshape(G, -1)
 
   def branch(size):
     def run(cache):
-      flat = jnp.where(valid, index, size).reshape(-1)  # invalid -> out of range, dropped
-      pack = lambda x, fill: jnp.full((size,), fill, x.dtype).at[flat].set(
-          x.reshape(-1), mode="drop")
-      out = transformer.forward_packed(
-          target_params, pack(tokens, 0), slot=pack(slot_ids, 0),
-          positions=pack(positions, 0), valid=pack(valid, False), cache=cache,
-          cfg=models.target)
-      probs = sampling_probs(out.logits, temperature=engine.config.temperature,
-                             top_p=engine.config.top_p)
-      gather = jnp.clip(index, 0, size - 1)
-      return probs[gather], out.hidden[gather], out.cache
+      flat = flat_rows(jnp.where(valid, index, size))  # invalid -> out of range, dropped
+      def pack(x, fill):  # [G, B/G, K+1] -> [G, T_g], one scatter per group
+        row = lambda f, x: jnp.full((size,), fill, x.dtype).at[f].set(x, mode="drop")
+        return jax.vmap(row)(flat, flat_rows(jnp.broadcast_to(x, index.shape)))
+      probs, hidden, cache = verify_forward(
+          engine, target_params, cache, tokens=pack(tokens, 0), slot=pack(slot_ids, 0),
+          positions=pack(positions, 0), valid=pack(valid, False))
+      gather = flat_rows(jnp.clip(index, 0, size - 1))
+      unpack = lambda x: jax.vmap(lambda row, i: row[i])(x, gather).reshape(
+          (B, K1) + x.shape[2:])
+      return unpack(probs), unpack(hidden), cache
     return run
 
-  logits, hidden, cache = jax.lax.switch(bucket, [branch(s) for s in sizes], cache)
-  return logits, hidden, cache, bucket
+  probs, hidden, cache = jax.lax.switch(bucket, [branch(s) for s in sizes],
+                                        group_cache(cache, G))
+  cache = transformer.KVCache(*(x.reshape(x.shape[:1] + (B,) + x.shape[3:]) for x in cache))
+  return probs, hidden, cache, bucket
 
 
 class _Drafted(NamedTuple):

@@ -20,8 +20,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from av_jax.engine import core
-from av_jax.models import transformer
-from av_jax.models.sampling import sampling_probs
 from av_jax.selection import CostModel, make_cost_model
 
 
@@ -37,27 +35,33 @@ def _median_ms(fn, *args, repeats: int) -> float:
 
 
 def measure(engine: core.Engine, params: core.Params, *, repeats: int = 5) -> dict:
-  """Times every verify bucket and the drafter; returns a JSON-able profile."""
-  cfg, models = engine.config, engine.models
-  B, K, M = cfg.num_slots, cfg.max_draft, cfg.max_len
+  """Times every verify bucket and the drafter; returns a JSON-able profile.
+
+  A bucket's verify program is what the engine's verify branch runs
+  (`core.verify_forward`): with G = `verify_groups` groups, G packed forwards of T_g =
+  T / G tokens each (batched) and the target's sampling distribution on the packed rows.
+  `buckets` holds the total sizes T = G T_g (`engine.buckets`), the units of the cost
+  tables.
+  """
+  cfg = engine.config
+  B, K, M, G = cfg.num_slots, cfg.max_draft, cfg.max_len, cfg.groups
   state = core.init_state(engine, params, jax.random.key(0, impl="rbg"))
+  cache = core.group_cache(state.target_cache, G)
 
   def verify(target_params, cache, tokens, slot, positions, valid):
-    # What the engine's verify branch runs: the packed forward and the target's sampling
-    # distribution on the packed rows (see core._verify_packed).
-    logits = transformer.forward_packed(target_params, tokens, slot=slot, positions=positions,
-                                        valid=valid, cache=cache, cfg=models.target).logits
-    return sampling_probs(logits, temperature=cfg.temperature, top_p=cfg.top_p)
+    return core.verify_forward(engine, target_params, cache, tokens=tokens, slot=slot,
+                               positions=positions, valid=valid)[0]
 
   verify = jax.jit(verify)
   bucket_ms = []
-  for size in engine.buckets:
-    # Realistic packing: slots round-robin, positions mid-cache, every entry valid.
-    slot = jnp.arange(size, dtype=jnp.int32) % B
-    positions = (M // 2 + jnp.arange(size, dtype=jnp.int32) // B).astype(jnp.int32)
-    tokens = jnp.ones((size,), jnp.int32)
-    bucket_ms.append(_median_ms(verify, params.target, state.target_cache, tokens, slot,
-                                positions, jnp.ones((size,), bool), repeats=repeats))
+  for size in cfg.group_bucket_sizes():
+    # Realistic packing: each group's slots round-robin, positions mid-cache, all valid.
+    t = jnp.broadcast_to(jnp.arange(size, dtype=jnp.int32), (G, size))
+    slot = t % (B // G)
+    positions = M // 2 + t // (B // G)
+    tokens = jnp.ones((G, size), jnp.int32)
+    bucket_ms.append(_median_ms(verify, params.target, cache, tokens, slot, positions,
+                                jnp.ones((G, size), bool), repeats=repeats))
 
   def draft(dp, tp, ds, key):  # drafting and its sampling (tokens, log-probs) as run
     out = engine.drafter.draft(dp, tp, ds, key, K=K, temperature=cfg.temperature,
@@ -68,7 +72,7 @@ def measure(engine: core.Engine, params: core.Params, *, repeats: int = 5) -> di
   draft_ms = _median_ms(draft, params.drafter, params.target, state.drafter,
                         jax.random.key(1, impl="rbg"), repeats=repeats)
   return dict(device_kind=jax.devices()[0].device_kind, buckets=list(engine.buckets),
-              bucket_ms=bucket_ms, draft_ms=draft_ms, repeats=repeats)
+              bucket_ms=bucket_ms, draft_ms=draft_ms, repeats=repeats, verify_groups=G)
 
 
 def cost_model_from_profile(profile: dict, *, num_slots: int, max_tokens: int) -> CostModel:

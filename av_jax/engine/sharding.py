@@ -15,10 +15,13 @@ inserts the cross-'data' reduction itself, so every replica holds bit-identical
 coefficients after each refit (replicas that disagreed on the budget would deadlock a
 real deployment). Inside `jax.shard_map` code, pass `axis_name='data'` to `est.update`.
 
-Not data-parallel yet: the packed verification (`core._verify_packed`) packs the tokens of
-all B slots into one buffer, so every 'data' shard runs the target's dense layers on all
-of them and gathers each token's cache row across 'data' (2 L T M H Dh numbers per step);
-docs/scaling.md measures it and proposes per-shard packing.
+Verification is data-parallel when the engine's verify groups line up with the 'data'
+shards: `core._verify_packed` packs each of G = `EngineConfig.verify_groups` contiguous
+slot groups into its own buffer, so with G a multiple of the 'data' size every group's
+packed forward reads only its own shard's caches. `for_mesh` sets G to the 'data' size
+when the config leaves it None (`generate(mesh=...)` does this). With a single group on a
+multi-shard mesh, every shard would run the dense layers on all packed tokens and gather
+each token's cache row across 'data' (2 L T M H Dh numbers per step; docs/scaling.md).
 
 The mesh may span several processes (JAX's multi-controller runtime,
 `av_jax.engine.distributed`): `place` then builds each global array from the host value
@@ -27,6 +30,7 @@ every process holds, each process writing only its own devices' shards.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -113,6 +117,27 @@ def check_divisible(engine: core.Engine, mesh: Mesh) -> None:
     if value % model:
       raise ValueError(f"target {name}: {value} is not divisible by the 'model' axis of "
                        f"size {model}")
+
+
+def for_mesh(engine: core.Engine, mesh: Mesh) -> core.Engine:
+  """The engine to run on `mesh`: verify groups set to the 'data' size when left None.
+
+  Args:
+    engine: the engine; an explicit `verify_groups` is kept as it is.
+    mesh: the ('data', 'model') mesh.
+
+  Returns:
+    `engine`, or a copy whose config has `verify_groups` = the 'data' axis size, so each
+    data shard packs and verifies only its own slots (see the module docstring).
+
+  Raises:
+    ValueError: num_slots is not divisible by the 'data' axis size.
+  """
+  check_divisible(engine, mesh)
+  if engine.config.verify_groups is not None:
+    return engine
+  config = dataclasses.replace(engine.config, verify_groups=int(mesh.shape[DATA]))
+  return engine._replace(config=config)
 
 
 def _put_global(x: Any, target: NamedSharding) -> jax.Array:

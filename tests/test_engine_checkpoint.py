@@ -40,6 +40,12 @@ def test_stopped_and_resumed_run_equals_uninterrupted(tmp_path):
   assert [c.tokens for c in resumed.completions] == [c.tokens for c in full.completions]
   chex.assert_trees_all_equal(resumed.state.estimator, full.state.estimator)
   assert int(full.state.estimator.num_refits) >= 2
+  # The verify layout is not part of the identity: a run saved by an engine with one
+  # verify group per slot (as on a 3-way 'data' mesh) resumes here, and vice versa.
+  grouped, _ = _engine(verify_groups=3)
+  again = E.generate(grouped, params, PROMPTS, max_new_tokens=MAX_NEW, key=fx.key(4),
+                     resume_from=path)
+  assert [c.tokens for c in again.completions] == [c.tokens for c in full.completions]
 
 
 def test_mismatched_or_damaged_checkpoints_are_refused(tmp_path):

@@ -31,6 +31,10 @@ def engine_identity(engine: core.Engine) -> dict:
   """What a checkpoint must match to be restored into `engine`."""
   cfg = dataclasses.asdict(engine.config)
   cfg.pop("steps_per_chunk")  # host-sync granularity does not change the state
+  # Neither does the verify layout (tokens are bit-identical for every number of verify
+  # groups, tests/test_verify_groups.py): a run saved on a mesh resumes on one device.
+  cfg.pop("verify_groups", None)
+  cfg.pop("record_features", None)  # what StepInfo records, not the state
   models = json.dumps(dataclasses.asdict(engine.models), sort_keys=True, default=str)
   return dict(format=FORMAT, drafter=engine.drafter.kind, policy=engine.policy,
               num_slots=engine.config.num_slots, max_draft=engine.config.max_draft,

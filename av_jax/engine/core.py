@@ -33,7 +33,7 @@ from av_jax.models.config import ModelsConfig
 from av_jax.models.drafters import DraftOutput, Drafter, DrafterState
 from av_jax.models.sampling import sample_tokens, sampling_probs
 from av_jax.planner import PlannerState, exact_policy, is_exact, make_planner
-from av_jax.rejection import rejection_sample
+from av_jax.rejection import RejectionResult, rejection_sample
 from av_jax.selection import CostModel, linear_cost_model
 
 MODES = ("target_only", "fixed", "av", "av_head", "oracle")
@@ -481,6 +481,8 @@ def _draft_and_score(engine: Engine, params: Params, state: DecodeState,
   logits = draft.logits
   sound = (~jnp.any(jnp.isnan(logits) | (logits == jnp.inf), axis=-1)
            & jnp.any(logits > -jnp.inf, axis=-1))                          # [B, K]
+  if draft.log_probs is not None:  # a drafter's own sampling distribution is checked too
+    sound &= ~jnp.any(jnp.isnan(draft.log_probs), axis=-1)
   finite = jnp.all(sound, axis=1)
   draft_logits = jnp.where(finite[:, None, None], logits, 0.0)
   # One top-p pass serves the draw, the feature (filtered entries are -inf, so logit_qmax
@@ -504,6 +506,37 @@ def _draft_and_score(engine: Engine, params: Params, state: DecodeState,
     extra = jnp.zeros((B, K, 0), jnp.float32)
   return _Drafted(tokens=draft.tokens, probs=probs, features=logit_qmax(log_probs), conf=conf,
                   finite=finite, extra=extra, state=draft.state)
+
+
+def _target_step(engine: Engine, target_params, cache, key, *, base, position, active):
+  """Verification of a step with no drafts: one target token per slot, sampled.
+
+  The same law as `rejection_sample` with nothing verified (a draw from the target's
+  sampling distribution), at the cost of a target-only step: each verify group runs its
+  B/G base tokens through the target (the smallest bucket, no packing) and samples on
+  `[B, V]`; no `[B, K+1, V]` tensor is formed.
+
+  Returns `(RejectionResult, hidden [B, K+1, D], cache, bucket index 0)`.
+  """
+  cfg = engine.config
+  B, K, G = cfg.num_slots, cfg.max_draft, cfg.groups
+  grouped = lambda x: x.reshape(G, B // G)
+  probs, hidden, cache = verify_forward(
+      engine, target_params, group_cache(cache, G), tokens=grouped(base),
+      slot=grouped(jnp.tile(jnp.arange(B // G, dtype=jnp.int32), G)),
+      positions=grouped(position), valid=grouped(active))
+  cache = transformer.KVCache(*(x.reshape(x.shape[:1] + (B,) + x.shape[3:]) for x in cache))
+  # probs is the sampling distribution (one-hot when greedy): a categorical draw from its
+  # log is the target's token either way.
+  token = jax.random.categorical(key, jnp.log(probs.reshape(B, -1)), axis=-1).astype(jnp.int32)
+  zeros = jnp.zeros((B, K), bool)
+  result = RejectionResult(
+      tokens=jnp.full((B, K + 1), -1, jnp.int32).at[:, 0].set(token),
+      num_emitted=jnp.ones((B,), jnp.int32), num_accepted=jnp.zeros((B,), jnp.int32),
+      accepted=zeros, labeled=zeros)
+  hidden = hidden.reshape(B, -1)
+  full = jnp.zeros((B, K + 1) + hidden.shape[1:], hidden.dtype).at[:, 0].set(hidden)
+  return result, full, cache, jnp.zeros((), jnp.int32)
 
 
 def step(engine: Engine, params: Params, state: DecodeState) -> tuple[DecodeState, StepInfo]:
@@ -545,11 +578,26 @@ def step(engine: Engine, params: Params, state: DecodeState) -> tuple[DecodeStat
   j = jnp.arange(K + 1)[None, :]
   positions = state.length[:, None] - 1 + j
   valid = active[:, None] & (j <= num_verified[:, None])
-  target_probs, target_hidden, target_cache, bucket = _verify_packed(
-      engine, params.target, state.target_cache, tokens=verify_tokens, positions=positions,
-      valid=valid)
-  result = rejection_sample(k_verify, draft_probs=drafted.probs, draft_tokens=drafted.tokens,
-                            target_probs=target_probs, num_verified=num_verified)
+
+  def verify():
+    target_probs, target_hidden, target_cache, bucket = _verify_packed(
+        engine, params.target, state.target_cache, tokens=verify_tokens, positions=positions,
+        valid=valid)
+    result = rejection_sample(k_verify, draft_probs=drafted.probs, draft_tokens=drafted.tokens,
+                              target_probs=target_probs, num_verified=num_verified)
+    return result, target_hidden, target_cache, bucket
+
+  def target_step():
+    return _target_step(engine, params.target, state.target_cache, k_verify, base=base,
+                        position=state.length - 1, active=active)
+
+  # A step that drafted nothing is a plain target step: no [B, K+1, V] tensors at all.
+  if cfg.mode == "target_only":
+    result, target_hidden, target_cache, bucket = target_step()
+  elif _gated(engine):
+    result, target_hidden, target_cache, bucket = jax.lax.cond(drafting, verify, target_step)
+  else:
+    result, target_hidden, target_cache, bucket = verify()
   verified_count = num_verified
   if cfg.mode == "oracle":  # hindsight accounting: only the accepted drafts were needed
     verified_count = result.num_accepted

@@ -83,6 +83,7 @@ def make_planner(
     explore_every: int = 4,
     initial_budget: int | None = None,
     skip_unprofitable_drafts: bool = False,
+    recheck_every: int | None = None,
 ) -> Planner:
   """Builds a verification planner.
 
@@ -91,10 +92,13 @@ def make_planner(
     policy: one of `POLICIES` (see the module docstring); use `exact_policy` to pick.
     explore_every: one slot verifies all K every this many steps; 0 disables.
     initial_budget: lagged policy's budget at the first step (default: everything).
+    recheck_every: while drafting does not pay, draft (and explore) only every this many
+      steps; a multiple of `explore_every`, default 4 x `explore_every`.
     skip_unprofitable_drafts: after a step whose best plan earns fewer tokens per unit
-      cost than a target-only step without drafting, `should_draft` says False until an
-      exploration step re-evaluates (policies "current" and "lagged" with exploration
-      only). The decision uses only earlier steps, so it is as exact as the lagged budget;
+      cost than a target-only step without drafting, `should_draft` says False until a
+      re-check step (every `recheck_every` steps, also an exploration step) drafts,
+      explores and re-evaluates (policies "current" and "lagged" with exploration only).
+      The decision uses only earlier steps, so it is as exact as the lagged budget;
       the caller skips drafting and passes `drafted=False` to `plan`.
 
   Returns:
@@ -113,6 +117,11 @@ def make_planner(
 
   adaptive = policy in ("current", "lagged")
   gated = skip_unprofitable_drafts and adaptive and explore_every > 0
+  if recheck_every is None:
+    recheck_every = 4 * max(explore_every, 1)
+  if gated and (recheck_every < 1 or recheck_every % explore_every):
+    raise ValueError(f"recheck_every: expected a positive multiple of explore_every="
+                     f"{explore_every}, got {recheck_every}")
 
   def init() -> PlannerState:
     budget = _ALL if initial_budget is None else int(initial_budget)
@@ -126,10 +135,10 @@ def make_planner(
 
   def should_draft(state: PlannerState) -> jax.Array:
     """Whether this step should draft: always, unless drafting did not pay at the last
-    step that drafted and this is not an exploration step."""
+    step that drafted and this is not a re-check step."""
     if not gated:
       return jnp.asarray(True)
-    return jnp.asarray(state.draft) | exploring(state)
+    return jnp.asarray(state.draft) | (state.step % recheck_every == 0)
 
   def plan(state: PlannerState, probs: jax.typing.ArrayLike, *,
            active: jax.typing.ArrayLike | None = None,

@@ -129,10 +129,11 @@ def test_bucket_sizes():
 
 @pytest.mark.parametrize("kind,mode", [("block_head", "av_head")])  # av: sampling test
 def test_unprofitable_drafting_is_skipped_and_output_unchanged(kind, mode):
-  """With drafting dearer than any gain, AV drafts only at exploration steps (every
-  `explore_every`); greedy output still equals target-only greedy decoding."""
+  """With drafting dearer than any gain, AV drafts only at re-check steps (every
+  `draft_recheck_every`, an exploration step); greedy output still equals target-only
+  greedy decoding."""
   from av_jax.selection import make_cost_model
-  engine, params = _engine(kind, mode, explore_every=3)
+  engine, params = _engine(kind, mode, explore_every=3, draft_recheck_every=6)
   B, K = engine.config.num_slots, engine.config.max_draft
   cost = make_cost_model(np.full(B + 1, 100.0), 1.0 + 0.02 * np.arange(B * (K + 1) + 1))
   want = [fx.greedy_reference(False, p, n) for p, n in zip(PROMPTS, MAX_NEW)]
@@ -141,7 +142,7 @@ def test_unprofitable_drafting_is_skipped_and_output_unchanged(kind, mode):
   assert [c.tokens for c in result.completions] == want
   drafted = np.concatenate([i.drafted for i in result.infos])
   steps = np.arange(drafted.size)
-  np.testing.assert_array_equal(drafted, steps % 3 == 0)
+  np.testing.assert_array_equal(drafted, steps % 6 == 0)
   # Free drafting never closes the gate.
   free = make_cost_model(np.full(B + 1, 1e-3), 1.0 + 0.02 * np.arange(B * (K + 1) + 1))
   result = E.generate(engine, params, PROMPTS, max_new_tokens=MAX_NEW, key=fx.key(0),

@@ -64,7 +64,8 @@ class EngineConfig:
   steps_per_chunk: int = 16      # decode steps per `run_chunk` (host sync granularity)
   record_features: bool = False  # StepInfo.extra holds every RECORDED_FEATURES (studies)
   skip_unprofitable_drafts: bool = True  # AV, parallel drafters: no drafting while it
-                                         # does not pay (re-checked at exploration steps)
+                                         # does not pay (re-checked every
+  draft_recheck_every: int | None = None  # this many steps; None: 4 x explore_every)
   verify_groups: int | None = None  # G, verification packs G contiguous groups of B/G slots
                                     # separately (data-parallel when G is a multiple of the
                                     # mesh's 'data' size); None: 1, or under
@@ -229,6 +230,7 @@ def _planner(engine: Engine, cost: CostModel):
   policy = {"target_only": "none", "fixed": "fixed", "oracle": "fixed"}.get(cfg.mode,
                                                                            engine.policy)
   return make_planner(cost, policy=policy, explore_every=cfg.explore_every,
+                      recheck_every=cfg.draft_recheck_every,
                       skip_unprofitable_drafts=_gated(engine))
 
 

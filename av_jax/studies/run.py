@@ -55,6 +55,7 @@ class Settings:
   pareto_drafter: str = "block"
   on_off_drafters: tuple = DRAFTERS
   per_workload_drafter: str = "block"
+  per_workload: bool = True        # the on/off sweep of per_workload_drafter per workload
   requests_per_slot: int = 1       # throughput requests = max(4, this * concurrency)
   throughput_max_new: int = 32
   repeats: int = 2
@@ -151,7 +152,7 @@ def study_throughput(pairs, s: Settings, log, progress: bool) -> list[dict]:
   for kind in s.on_off_drafters:
     cases[(kind, "mixed")] = T.on_off_arms(s.k)
   cases[(s.pareto_drafter, "mixed")] = T.pareto_arms(s.pareto_ks, s.k)
-  for w in WORKLOADS:
+  for w in WORKLOADS if s.per_workload else ():
     cases.setdefault((s.per_workload_drafter, w), T.on_off_arms(s.k))
   rows = []
   total = sum(len(a) for a in cases.values()) * len(s.concurrencies) * s.repeats
@@ -231,10 +232,17 @@ def add_args(p: argparse.ArgumentParser) -> None:
   p.add_argument("--out", default="reports", help="output folder")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--no-progress", action="store_true", help="no progress bars")
+  p.add_argument("--concurrencies", default=None,
+                 help="comma-separated concurrencies (overrides the preset)")
+  p.add_argument("--on-off-drafters", default=None,
+                 help="comma-separated drafters for the AV on/off sweep (overrides)")
+  p.add_argument("--pareto-ks", default=None,
+                 help="comma-separated fixed K of the Pareto sweep, 0 = target only")
+  p.add_argument("--repeats", type=int, default=None, help="timed repeats per arm")
   p.add_argument("--render-only", action="store_true",
                  help="rewrite studies.md and the plots from an existing studies.json")
   p.add_argument("--skip", default="", help="comma-separated studies to skip: "
-                 "labels,throughput,overhead")
+                 "labels,throughput,per_workload,overhead")
 
 
 def run(args) -> int:
@@ -246,11 +254,33 @@ def run(args) -> int:
     return 0
   start = time.perf_counter()
   s = Settings.quick() if args.quick else Settings()
-  s.seed = args.seed
   skip = {x for x in args.skip.split(",") if x}
+  s.seed = args.seed
+  ints = lambda text: tuple(int(x) for x in text.split(",") if x)
+  if args.concurrencies:
+    s.concurrencies = ints(args.concurrencies)
+  if args.pareto_ks:
+    s.pareto_ks = ints(args.pareto_ks)
+  if args.on_off_drafters:
+    s.on_off_drafters = tuple(x for x in args.on_off_drafters.split(",") if x)
+    bad = set(s.on_off_drafters) - set(DRAFTERS)
+    if bad:
+      raise ValueError(f"--on-off-drafters: unknown {sorted(bad)}; expected {DRAFTERS}")
+  if args.repeats:
+    s.repeats = args.repeats
+  if "labels" in skip:  # nothing to label: load only the drafters the sweeps use
+    s.label_drafters = ()
+  if "per_workload" in skip:
+    s.per_workload = False
   progress = not args.no_progress and sys.stderr.isatty()
   os.makedirs(args.out, exist_ok=True)
-  command = "av-jax bench" + (" --quick" if args.quick else "")
+  flags = [("--quick", args.quick), (f"--seed {args.seed}", args.seed),
+           (f"--skip {args.skip}", args.skip),
+           (f"--concurrencies {args.concurrencies}", args.concurrencies),
+           (f"--on-off-drafters {args.on_off_drafters}", args.on_off_drafters),
+           (f"--pareto-ks {args.pareto_ks}", args.pareto_ks),
+           (f"--repeats {args.repeats}", args.repeats)]
+  command = " ".join(["av-jax bench"] + [flag for flag, given in flags if given])
   log_lines = []
 
   def log(msg):
@@ -259,7 +289,8 @@ def run(args) -> int:
 
   log(f"{command}: writing {args.out}/studies.md")
   kinds = sorted(set(s.label_drafters) | set(s.on_off_drafters) | {
-      s.pareto_drafter, s.per_workload_drafter, s.drift_drafter}, key=DRAFTERS.index)
+      s.pareto_drafter, s.per_workload_drafter} | ({s.drift_drafter} if s.label_drafters
+                                                   else set()), key=DRAFTERS.index)
   pairs = {k: M.load(s.models, drafter=k) for k in kinds}
   results = dict(command=command, settings=dataclasses.asdict(s), hardware=hardware())
   timings = {}

@@ -141,7 +141,9 @@ def test_selection_small_shapes_and_bad_input():
 
 
 def test_make_cost_model_repairs_non_monotone_and_zero():
-  cost = av_jax.make_cost_model([0.0, 2.0, 1.0], [3.0, 1.0, 4.0, 2.0])
+  with pytest.warns(UserWarning, match="not monotone") as record:
+    cost = av_jax.make_cost_model([0.0, 2.0, 1.0], [3.0, 1.0, 4.0, 2.0])
+  assert {str(w.message).split(":")[0] for w in record} == {"draft_ms", "verify_ms"}
   np.testing.assert_allclose(cost.draft_ms, [1e-6, 2.0, 2.0])
   np.testing.assert_allclose(cost.verify_ms, [3.0, 3.0, 4.0, 4.0])
 

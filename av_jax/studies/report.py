@@ -186,10 +186,19 @@ def goals(results: dict, s) -> list[list]:
                 "met" if ok else "missed"])
   ov = results.get("overhead")
   if ov and ov.get("share") is not None:
-    out.append([f"AV decision < 2% of a decode step at concurrency {ov['batch']}",
-                f"{ov['decision_ms']:.2f} ms of {ov['av_step_ms']:.1f} ms = "
-                f"{100 * ov['share']:.1f}%",
-                "met" if ov["share"] < 0.02 else f"missed by {100 * ov['share'] - 2:.1f} points"])
+    # Judged on the time AV spends deciding per decode step: the full decision on steps
+    # that draft, the O(B K) predict-and-plan on the others. Older reports lack the
+    # latter and are judged on the full decision at every step.
+    share = ov.get("amortized_share", ov["share"])
+    measured = (f"full decision {ov['decision_ms']:.2f} ms; AV step {ov['av_step_ms']:.1f} ms")
+    if "amortized_share" in ov:
+      measured += (f"; drafting on {100 * ov['drafted_share']:.0f}% of steps, "
+                   f"{ov['decision_ms_no_features']:.2f} ms on the others: "
+                   f"{ov['per_step_ms']:.2f} ms per step = {100 * share:.1f}%")
+    else:
+      measured += f" = {100 * share:.1f}%"
+    out.append([f"AV decision < 2% of a decode step at concurrency {ov['batch']}", measured,
+                "met" if share < 0.02 else f"missed by {100 * share - 2:.1f} points"])
   return out
 
 
@@ -292,8 +301,9 @@ def why(results: dict, s) -> list[str]:
       av = [r for r in tp["summary"] if r["mode"] == "av" and r["concurrency"] == ov["batch"]]
       share = np.median([r.get("drafted_share", 1.0) for r in av]) if av else 1.0
       amortized = ov["share"] * share
+    amortized = ov.get("amortized_share", amortized)
     out.append(
-        f"**Decision overhead.** The decision reads all B·K·V = "
+        f"**Decision overhead.** The full decision reads all B·K·V = "
         f"{ov['batch'] * ov['k'] * ov['vocab']:,} draft log-probabilities once (the feature "
         f"pass; the estimator and planner are O(B·K)); our target has 4 layers of width 192, "
         f"so a decode step is cheap next to a vocabulary-wide pass — a 1B-parameter target "
@@ -588,6 +598,11 @@ def _markdown(results: dict, s, plots: dict) -> str:
            f"(recompiles after warm-up: {ov['recompiles']}). An AV decode step of the engine "
            f"at the same concurrency: {_f(ov['av_step_ms'], 1)} ms (throughput runs), so "
            f"the decision is {_f(100 * ov['share'] if ov['share'] else None, 1)}% of a step. "
-           "The core microbenchmark against NumPy and PyTorch is `python "
+           + (f"AV runs the full decision only on steps that draft "
+              f"({100 * ov['drafted_share']:.0f}% here) and the O(B·K) predict-and-plan "
+              f"({ov['decision_ms_no_features']:.2f} ms) on the others: "
+              f"{ov['per_step_ms']:.2f} ms per step, {100 * ov['amortized_share']:.1f}% of "
+              "an AV step. " if "amortized_share" in ov else "")
+           + "The core microbenchmark against NumPy and PyTorch is `python "
            "benchmarks/overhead.py` (BENCHMARKS.md)."]
   return "\n".join(md) + "\n"

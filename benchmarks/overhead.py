@@ -17,9 +17,7 @@ import argparse
 import dataclasses
 import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 
@@ -60,16 +58,10 @@ def parse_args(argv=None):
 
 
 def hardware() -> dict:
-  model = platform.processor()
-  try:
-    for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
-      if line.startswith("Model name:"):
-        model = line.split(":", 1)[1].strip()
-  except OSError:
-    pass
-  return dict(cpu=model, cores=os.cpu_count(), usable_cores=len(os.sched_getaffinity(0)),
-              jax=jax.__version__, numpy=np.__version__,
-              torch=None if torch is None else torch.__version__,
+  from av_jax import _machine
+  return dict(cpu=_machine.cpu_model(), cores=os.cpu_count(),
+              usable_cores=len(os.sched_getaffinity(0)), jax=jax.__version__,
+              numpy=np.__version__, torch=None if torch is None else torch.__version__,
               backend=jax.default_backend(), load_avg_start=os.getloadavg())
 
 

@@ -55,18 +55,10 @@ def parse_args(argv=None):
 
 
 def hardware() -> dict:
-  import platform
-  import subprocess
-  import jax
-  model = platform.processor()
-  try:
-    for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
-      if line.startswith("Model name:"):
-        model = line.split(":", 1)[1].strip()
-  except OSError:
-    pass
-  return dict(cpu=model, cores=os.cpu_count(), jax=jax.__version__,
-              backend=jax.default_backend(), load_avg=os.getloadavg())
+  from av_jax import _machine
+  d = _machine.describe()
+  return dict(cpu=d["cpu"], cores=d["cores"], jax=d["jax"], backend=d["backend"],
+              load_avg=d["load_avg"])
 
 
 # ----------------------------------------------------------------------------------------

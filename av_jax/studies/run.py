@@ -19,10 +19,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
-import platform
-import subprocess
 import sys
 import time
 
@@ -72,17 +69,10 @@ class Settings:
 
 
 def hardware() -> dict:
-  model = platform.processor()
-  try:
-    for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
-      if line.startswith("Model name:"):
-        model = line.split(":", 1)[1].strip()
-  except OSError:
-    pass
-  return dict(cpu=model, cores=os.cpu_count(), usable_cores=len(os.sched_getaffinity(0)),
-              backend=jax.default_backend(), device=jax.devices()[0].device_kind,
-              jax=jax.__version__, python=platform.python_version(),
-              load_avg_start=list(os.getloadavg()))
+  from av_jax import _machine
+  out = _machine.describe()
+  out["load_avg_start"] = out.pop("load_avg")
+  return out
 
 
 def _bar(total: int, desc: str, enabled: bool):

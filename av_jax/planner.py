@@ -92,18 +92,18 @@ def make_planner(
     policy: one of `POLICIES` (see the module docstring); use `exact_policy` to pick.
     explore_every: one slot verifies all K every this many steps; 0 disables.
     initial_budget: lagged policy's budget at the first step (default: everything).
-    recheck_every: while drafting does not pay, draft (and explore) only every this many
-      steps; a multiple of `explore_every`, default 4 x `explore_every`.
     skip_unprofitable_drafts: after a step whose best plan earns fewer tokens per unit
       cost than a target-only step without drafting, `should_draft` says False until a
       re-check step (every `recheck_every` steps, also an exploration step) drafts,
       explores and re-evaluates (policies "current" and "lagged" with exploration only).
       The decision uses only earlier steps, so it is as exact as the lagged budget;
       the caller skips drafting and passes `drafted=False` to `plan`.
+    recheck_every: while drafting does not pay, draft (and explore) only every this many
+      steps; a multiple of `explore_every`, default 4 x `explore_every`.
 
   Returns:
-    `Planner(init, plan, policy)` with `plan(state, probs [B,K], *, active=None)
-    -> (Plan, state)`.
+    `Planner(init, plan, policy, should_draft)` with `plan(state, probs [B,K], *,
+    active=None, drafted=True) -> (Plan, state)` and `should_draft(state) -> [] bool`.
 
   Example:
     >>> planner = make_planner(cost, policy=exact_policy(drafter_kind="parallel",

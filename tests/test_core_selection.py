@@ -241,3 +241,27 @@ def test_selection_and_planner_under_vmap():
   probs = jnp.concatenate([surv[:, :, :1], surv[:, :, 1:] / surv[:, :, :-1]], axis=-1)
   plans, _ = jax.vmap(lambda p, a: planner.plan(planner.init(), p, active=a))(probs, active)
   np.testing.assert_array_equal(plans.mask, masks)
+
+
+def test_draft_gate_closes_reopens_at_recheck_and_refuses_bad_intervals():
+  B, K = 2, 3
+  # Drafting dearer than anything verification can earn: the gate closes after a step
+  # that drafted, stays closed, and re-checks every `recheck_every` steps.
+  cost = av_jax.make_cost_model(np.full(B + 1, 100.0), 1.0 + 0.1 * np.arange(B * (K + 1) + 1))
+  planner = av_jax.make_planner(cost, policy="current", explore_every=2,
+                                skip_unprofitable_drafts=True, recheck_every=4)
+  state = planner.init()
+  drafted = []
+  for _ in range(9):
+    drafting = planner.should_draft(state)
+    drafted.append(bool(drafting))
+    plan, state = planner.plan(state, jnp.full((B, K), 0.9), drafted=drafting)
+    if not drafting:
+      assert int(plan.num_verified.sum()) == 0
+  assert drafted == [True, False, False, False, True, False, False, False, True]
+  # Without the option every step drafts.
+  plain = av_jax.make_planner(cost, policy="current", explore_every=2)
+  assert bool(plain.should_draft(plain.init()))
+  with pytest.raises(ValueError, match="recheck_every"):
+    av_jax.make_planner(cost, policy="current", explore_every=2,
+                        skip_unprofitable_drafts=True, recheck_every=3)

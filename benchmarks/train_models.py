@@ -3,6 +3,8 @@
 Usage:
   python benchmarks/train_models.py --config default          # ~30-40 min on a 2-core CPU
   python benchmarks/train_models.py --config tiny --out /tmp/tiny
+  python benchmarks/train_models.py --config default --resume  # after a stop: continues
+                                                               # from the last checkpoint
 
 Seeded: the same config, interpreter (its stdlib is the `code` corpus) and JAX version give
 the same files. Then run `python benchmarks/measure_models.py --config <name>` for MODELS.md.
@@ -27,12 +29,23 @@ def main() -> None:
   parser.add_argument("--only", default=None,
                       help="comma-separated drafter kinds to retrain, reusing the tokenizer "
                            "and target in --out (e.g. block,block_head)")
+  parser.add_argument("--resume", action="store_true",
+                      help="continue the run whose state is in --work-dir (after a stop)")
+  parser.add_argument("--work-dir", default=None,
+                      help="resumable training state (default: ~/.cache/av_jax/train/<config>, "
+                           "or $AV_JAX_TRAIN_DIR/<config>)")
+  parser.add_argument("--checkpoint-minutes", type=float, default=10.0,
+                      help="minutes between training checkpoints (default 10)")
   args = parser.parse_args()
+  if args.checkpoint_minutes <= 0:
+    parser.error("--checkpoint-minutes: expected > 0")
   cfg = load_config(args.config)
   out = args.out or assets_dir()
   t0 = time.time()
   only = tuple(args.only.split(",")) if args.only else None
-  summary = pipeline.train_all(cfg, out, progress=True, only=only)
+  summary = pipeline.train_all(cfg, out, progress=True, only=only, work_dir=args.work_dir,
+                               resume=args.resume,
+                               checkpoint_every_s=60.0 * args.checkpoint_minutes)
   wall = time.time() - t0
   print("\n=== summary ===")
   print(f"config {cfg.name} -> {out}   wall time {wall / 60:.1f} min on "

@@ -61,6 +61,10 @@ class Tokenizer:
   def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
     return [e.ids for e in self.inner.encode_batch(list(texts))]
 
+  def byte_lengths(self) -> np.ndarray:
+    """`[V]` int32: bytes of text each token stands for (0 for `<|endoftext|>`)."""
+    return np.asarray([len(b) for b in self._bytes], np.int32)
+
   def decode_bytes(self, ids: Iterable[int]) -> bytes:
     """Exact bytes of `ids` (the special token decodes to nothing; -1 padding is skipped)."""
     return b"".join(self._bytes[int(i)] for i in np.asarray(ids).ravel() if int(i) >= 0)

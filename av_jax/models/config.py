@@ -38,6 +38,9 @@ class EagleConfig:
   mlp_dim: int           # gated MLP hidden width
   feature_loss: float = 0.1  # weight of the smooth-L1 loss on predicted target features
   unroll: int = 2        # training-time unrolled steps feeding predicted features back
+  head_rank: int = 0     # 0: logits through the target's tied [V, D] head; R > 0: a factored
+                         # head D -> R -> V of the drafter's own (R*(D+V) multiply-adds per
+                         # token instead of D*V), as deployed drafters shrink their head
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -48,6 +51,7 @@ class BlockConfig:
   num_heads: int         # attention heads
   head_dim: int          # per-head width
   mlp_dim: int           # gated MLP hidden width
+  head_rank: int = 0     # 0: the target's tied head; R > 0: own factored head D -> R -> V
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -148,6 +152,11 @@ def to_dict(cfg) -> dict[str, Any]:
   return dataclasses.asdict(cfg)
 
 
+# Fields added after checkpoints were shipped, with the value those checkpoints were built
+# with: left out of the hash at that value, so older checkpoints keep loading.
+_HASH_NEUTRAL = {"head_rank": 0}
+
+
 def config_hash(cfg: ModelsConfig, part: str) -> str:
   """Fingerprint of what determines checkpoint `part` ("target", "eagle", ...).
 
@@ -156,6 +165,11 @@ def config_hash(cfg: ModelsConfig, part: str) -> str:
   """
   from av_jax.models import checkpoint  # pylint: disable=g-import-not-at-top
   d = to_dict(cfg)
+  for section in d.values():  # fields added later, at the value older files were built with
+    if isinstance(section, dict):
+      for field, neutral in _HASH_NEUTRAL.items():
+        if section.get(field, None) == neutral:
+          del section[field]
   keys = ["seed", "tokenizer_vocab", "tokenizer_chars", "data", "target", "train_target"]
   # The drafters are distilled jointly, so each depends on all drafter shapes.
   drafters = ["draft_lm", "eagle", "block", "train_drafters"]

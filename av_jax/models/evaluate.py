@@ -145,3 +145,21 @@ def heldout_loss(params, windows: np.ndarray, *, cfg, batch: int = 16) -> float:
   losses = [float(_batch_nll(params, jnp.asarray(windows[i:i + batch]), cfg=cfg))
             for i in range(0, len(windows) - batch + 1, batch)]
   return float(np.mean(losses))
+
+
+def heldout_bits_per_byte(params, windows: np.ndarray, byte_lengths: np.ndarray, *, cfg,
+                          batch: int = 16) -> float:
+  """Bits per byte of text of `windows [N, S+1]` under the target (comparable across tokenizers).
+
+  The summed next-token cross-entropy of the predicted tokens `windows[:, 1:]`, in bits,
+  over the bytes of text those tokens stand for (`byte_lengths [V]`, e.g.
+  `Tokenizer.byte_lengths()`; `<|endoftext|>` stands for no text but its prediction is
+  charged). Uses the same full batches as `heldout_loss`.
+  """
+  used = (len(windows) // batch) * batch
+  if used == 0:
+    raise ValueError(f"windows: expected at least batch={batch} windows, got {len(windows)}")
+  nats = sum(float(_batch_nll(params, jnp.asarray(windows[i:i + batch]), cfg=cfg)) *
+             batch * (windows.shape[1] - 1) for i in range(0, used, batch))
+  num_bytes = int(np.asarray(byte_lengths)[windows[:used, 1:]].sum())
+  return nats / np.log(2.0) / num_bytes

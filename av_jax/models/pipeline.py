@@ -71,8 +71,16 @@ def collect_head_labels(cfg: ModelsConfig, tokenizer, target_params, block_param
 DRAFTER_ORDER = ("draft_lm", "eagle", "block")  # order of the drafters' init keys
 
 
+def default_work_dir(name: str) -> str:
+  """Where `train_all` keeps its resumable training state for model set `name`."""
+  root = os.environ.get("AV_JAX_TRAIN_DIR") or os.path.join(
+      os.path.expanduser("~"), ".cache", "av_jax", "train")
+  return os.path.join(root, name)
+
+
 def train_all(cfg: ModelsConfig, out_dir: str, *, progress: bool = True, log=print,
-              only: tuple[str, ...] | None = None) -> dict[str, Any]:
+              only: tuple[str, ...] | None = None, work_dir: str | None = None,
+              resume: bool = False, checkpoint_every_s: float = 600.0) -> dict[str, Any]:
   """Trains every model of `cfg` and writes tokenizer, checkpoints and a summary to `out_dir`.
 
   Args:
@@ -85,9 +93,29 @@ def train_all(cfg: ModelsConfig, out_dir: str, *, progress: bool = True, log=pri
       full run's recipe for them, equal up to float reassociation). `block_head` needs
       `block` (retrained or on disk).
 
+    work_dir: resumable training state (tokenizer, orbax checkpoints of parameters and
+      optimiser state of the target and the drafters); default `default_work_dir`.
+    resume: continue from the state in `work_dir` (a stopped run loses at most
+      `checkpoint_every_s` of training). Without it, an existing state is refused rather
+      than overwritten.
+    checkpoint_every_s: wall seconds between training checkpoints.
+
   Returns:
     The summary (also written to `{out_dir}/{cfg.name}_summary.json`).
   """
+  work_dir = work_dir or default_work_dir(cfg.name)
+  if not resume and os.path.isdir(work_dir) and os.listdir(work_dir):
+    raise ValueError(f"work_dir: {work_dir} already holds a training run of {cfg.name!r}; "
+                     "pass resume=True (--resume) to continue it, or delete the folder")
+  os.makedirs(work_dir, exist_ok=True)
+  cfg_path = os.path.join(work_dir, "config.json")
+  if resume and os.path.exists(cfg_path):
+    with open(cfg_path, encoding="utf-8") as f:
+      if json.load(f) != json.loads(json.dumps(to_dict(cfg))):
+        raise ValueError(f"resume: {work_dir} holds a run of another config than "
+                         f"{cfg.name!r} as it is now; delete the folder to start over")
+  with open(cfg_path, "w", encoding="utf-8") as f:
+    json.dump(to_dict(cfg), f, indent=1, sort_keys=True)
   os.makedirs(out_dir, exist_ok=True)
   t_start = time.time()
   timings = {}
@@ -95,15 +123,20 @@ def train_all(cfg: ModelsConfig, out_dir: str, *, progress: bool = True, log=pri
 
   t0 = time.time()
   tok_path = os.path.join(out_dir, f"tokenizer_{cfg.name}.json")
-  if only:
-    with open(tok_path, encoding="utf-8") as f:
+  work_tok = os.path.join(work_dir, "tokenizer.json")
+  if only or os.path.exists(work_tok):  # a resumed run keeps the tokenizer it started with
+    with open(tok_path if only else work_tok, encoding="utf-8") as f:
       tok_json = f.read()
     tokenizer = from_json(tok_json)
+    if not only:
+      with open(tok_path, "w", encoding="utf-8") as f:
+        f.write(tok_json)
   else:
     tokenizer = train_tokenizer(_tokenizer_texts(cfg), vocab_size=cfg.tokenizer_vocab)
     tok_json = tokenizer.to_json()
-    with open(tok_path, "w", encoding="utf-8") as f:
-      f.write(tok_json)
+    for path in (tok_path, work_tok):
+      with open(path, "w", encoding="utf-8") as f:
+        f.write(tok_json)
   if tokenizer.vocab_size != cfg.target.vocab_size:
     raise ValueError(f"tokenizer learnt {tokenizer.vocab_size} tokens, config says "
                      f"{cfg.target.vocab_size}; lower tokenizer_vocab or add text")
@@ -130,7 +163,10 @@ def train_all(cfg: ModelsConfig, out_dir: str, *, progress: bool = True, log=pri
     params = transformer.init_params(cfg.target, k_target)
     params, target_hist = train.fit(
         lambda p, b: train.target_loss(p, b, cfg=cfg), params, cfg.train_target,
-        batches(cfg.train_target, 1), desc="target", disable_bar=not progress)
+        batches(cfg.train_target, 1), desc="target", disable_bar=not progress,
+        checkpoint=train.TrainingCheckpoint(os.path.join(work_dir, "target"),
+                                            checkpoint_every_s),
+        flops_per_token=6.0 * num_params(params), log=log)
     target_params = jax.tree.map(jnp.asarray, checkpoint.round_params(params))
     timings["target_s"] = time.time() - t0
   losses = heldout_losses(target_params, cfg, tokenizer)
@@ -157,7 +193,11 @@ def train_all(cfg: ModelsConfig, out_dir: str, *, progress: bool = True, log=pri
     dparams, drafter_hist = train.fit(
         lambda p, b: train.drafter_losses(p, target_params, b, cfg=cfg), dparams,
         cfg.train_drafters, batches(cfg.train_drafters, 2), desc="drafters",
-        disable_bar=not progress, optimizer=train.make_per_model_optimizer(cfg.train_drafters))
+        disable_bar=not progress, optimizer=train.make_per_model_optimizer(cfg.train_drafters),
+        checkpoint=train.TrainingCheckpoint(
+            os.path.join(work_dir, "drafters_" + "_".join(train_kinds)), checkpoint_every_s),
+        # a teacher forward (2N) plus the drafters' forward and backward (6N each)
+        flops_per_token=2.0 * num_params(target_params) + 6.0 * num_params(dparams), log=log)
     dparams = jax.tree.map(jnp.asarray, checkpoint.round_params(dparams))
   timings["drafters_s"] = time.time() - t0
 

@@ -10,12 +10,18 @@ state, fit to accept/reject labels collected by running verification (`evaluate.
 
 from __future__ import annotations
 
-from typing import Callable
+import functools
+import json
+import os
+import shutil
+import time
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
 from tqdm.auto import tqdm
 
 from av_jax.models import drafters as drafters_lib
@@ -53,14 +59,68 @@ def make_per_model_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
   return optax.GradientTransformation(init, update)
 
 
-def fit(loss_fn: Callable, params, tc: TrainConfig, batch_fn: Callable, *, desc: str,
-        disable_bar: bool = False, optimizer: optax.GradientTransformation | None = None):
-  """Runs `tc.steps` optimiser steps of `loss_fn(params, batch) -> (loss, metrics)`.
+class TrainingCheckpoint(NamedTuple):
+  """Where `fit` keeps its resumable state, and how often it writes it."""
+  directory: str               # one folder per model being trained (created if missing)
+  every_s: float = 600.0       # wall seconds between checkpoints (and one at the end)
 
-  Returns:
-    `(params, history)` with history a list of `(step, loss)` every ~2% of training.
+
+def _latest(directory: str) -> tuple[int, str] | None:
+  """`(step, path)` of the newest complete checkpoint in `directory`, or None."""
+  pointer = os.path.join(directory, "latest.json")
+  if not os.path.exists(pointer):
+    return None
+  with open(pointer, encoding="utf-8") as f:
+    meta = json.load(f)
+  path = os.path.join(directory, f"step_{meta['step']:08d}")
+  return (meta["step"], path) if os.path.isdir(path) else None
+
+
+def _save_training_state(ckpt: TrainingCheckpoint, step: int, params, opt_state,
+                         history: list) -> None:
+  """Writes the state after `step` optimiser steps, then moves the `latest` pointer.
+
+  The pointer is replaced only after orbax has finished, so a stop mid-write leaves the
+  previous checkpoint as the latest one; older checkpoints are then deleted.
   """
-  opt = optimizer or make_optimizer(tc)
+  os.makedirs(ckpt.directory, exist_ok=True)
+  path = os.path.join(ckpt.directory, f"step_{step:08d}")
+  if os.path.exists(path):
+    shutil.rmtree(path)
+  with ocp.StandardCheckpointer() as ckptr:
+    ckptr.save(os.path.abspath(path), {"params": params, "opt_state": opt_state})
+    ckptr.wait_until_finished()
+  tmp = os.path.join(ckpt.directory, "latest.json.tmp")
+  with open(tmp, "w", encoding="utf-8") as f:
+    json.dump({"step": step, "history": history, "saved_at": time.time()}, f)
+  os.replace(tmp, os.path.join(ckpt.directory, "latest.json"))
+  for name in os.listdir(ckpt.directory):
+    if name.startswith("step_") and name != os.path.basename(path):
+      shutil.rmtree(os.path.join(ckpt.directory, name), ignore_errors=True)
+
+
+def _restore_training_state(ckpt: TrainingCheckpoint, params, opt_state):
+  """`(step, params, opt_state, history)` from the latest checkpoint, or None if there is none."""
+  found = _latest(ckpt.directory)
+  if found is None:
+    return None
+  step, path = found
+  like = {"params": params, "opt_state": opt_state}
+  abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, like)
+  with ocp.StandardCheckpointer() as ckptr:
+    restored = ckptr.restore(os.path.abspath(path), abstract)
+  with open(os.path.join(ckpt.directory, "latest.json"), encoding="utf-8") as f:
+    history = [tuple(h) for h in json.load(f)["history"]]
+  # orbax returns a plain-container tree: put it back into the optimiser's own structure.
+  params = jax.tree.unflatten(jax.tree.structure(params), jax.tree.leaves(restored["params"]))
+  opt_state = jax.tree.unflatten(jax.tree.structure(opt_state),
+                                 jax.tree.leaves(restored["opt_state"]))
+  return step, params, opt_state, history
+
+
+@functools.lru_cache(maxsize=8)
+def _train_step(loss_fn: Callable, opt: optax.GradientTransformation) -> Callable:
+  """The jitted optimiser step (cached: a resumed `fit` with the same functions compiles once)."""
 
   @jax.jit
   def step(params, opt_state, batch):
@@ -68,17 +128,75 @@ def fit(loss_fn: Callable, params, tc: TrainConfig, batch_fn: Callable, *, desc:
     updates, opt_state = opt.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss, metrics
 
+  return step
+
+
+def fit(loss_fn: Callable, params, tc: TrainConfig, batch_fn: Callable, *, desc: str,
+        disable_bar: bool = False, optimizer: optax.GradientTransformation | None = None,
+        checkpoint: TrainingCheckpoint | None = None, stop_after: int | None = None,
+        flops_per_token: float | None = None, log: Callable[[str], None] = print):
+  """Runs `tc.steps` optimiser steps of `loss_fn(params, batch) -> (loss, metrics)`.
+
+  Batches are a function of the step index only (`batch_fn(i)`), so a run that resumes
+  from a checkpoint after step i sees exactly the batches an uninterrupted run sees.
+
+  Args:
+    loss_fn: `(params, batch) -> (loss, metrics dict)`.
+    params: initial parameters (ignored when a checkpoint is resumed, but their
+      structure is the template the checkpoint is read into).
+    tc: steps and optimiser settings.
+    batch_fn: `i -> batch` for step i.
+    desc: progress-bar label.
+    disable_bar: no tqdm bar.
+    optimizer: default `make_optimizer(tc)`.
+    checkpoint: resumable state: resume from its latest checkpoint if there is one, and
+      write one every `every_s` seconds, at `stop_after` and at the end.
+    stop_after: stop after this many steps in total (a checkpointed partial run; the
+      caller resumes it later). None: run to `tc.steps`.
+    flops_per_token: training FLOPs per token (e.g. 6 x parameters); the bar then shows
+      tokens/s and GFLOP/s.
+    log: where resume / checkpoint lines go.
+
+  Returns:
+    `(params, history)` with history a list of `(step, loss)` every ~2% of training.
+  """
+  opt = optimizer or make_optimizer(tc)
+  step = _train_step(loss_fn, opt)
   opt_state = opt.init(params)
-  history = []
+  history: list = []
+  first = 0
+  if checkpoint is not None:
+    restored = _restore_training_state(checkpoint, params, opt_state)
+    if restored is not None:
+      first, params, opt_state, history = restored
+      log(f"{desc}: resumed from {checkpoint.directory} after step {first} of {tc.steps}")
+  last = tc.steps if stop_after is None else min(tc.steps, stop_after)
   every = max(1, tc.steps // 50)
-  bar = tqdm(range(tc.steps), desc=desc, disable=disable_bar, mininterval=2.0)
+  bar = tqdm(range(first, last), desc=desc, disable=disable_bar, mininterval=2.0,
+             initial=first, total=tc.steps)
+  saved_at = time.time()
+  t_start, tokens = time.time(), 0
   for i in bar:
-    params, opt_state, loss, metrics = step(params, opt_state, batch_fn(i))
+    batch = batch_fn(i)
+    params, opt_state, loss, metrics = step(params, opt_state, batch)
+    if i == first:  # the rate leaves out the first step, which compiles
+      jax.block_until_ready(loss)
+      t_start = time.time()
+    else:
+      tokens += int(np.prod(batch.shape[:2])) if hasattr(batch, "shape") else 0
     if i % every == 0 or i == tc.steps - 1:
       loss = float(loss)
       history.append((i, loss))
-      bar.set_postfix({"loss": f"{loss:.3f}",
-                       **{k: f"{float(v):.3f}" for k, v in metrics.items()}})
+      rate = tokens / max(time.time() - t_start, 1e-9)
+      post = {"loss": f"{loss:.3f}", **{k: f"{float(v):.3f}" for k, v in metrics.items()},
+              "tok/s": f"{rate:.0f}"}
+      if flops_per_token:
+        post["GFLOP/s"] = f"{rate * flops_per_token / 1e9:.1f}"
+      bar.set_postfix(post)
+    done = i + 1
+    if checkpoint is not None and (done == last or time.time() - saved_at >= checkpoint.every_s):
+      _save_training_state(checkpoint, done, params, opt_state, history)
+      saved_at = time.time()
   return params, history
 
 

@@ -163,3 +163,29 @@ def heldout_bits_per_byte(params, windows: np.ndarray, byte_lengths: np.ndarray,
              batch * (windows.shape[1] - 1) for i in range(0, used, batch))
   num_bytes = int(np.asarray(byte_lengths)[windows[:used, 1:]].sum())
   return nats / np.log(2.0) / num_bytes
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "steps"))
+def sample_continuations(params, prompts: jax.Array, key: jax.Array, *, cfg, steps: int,
+                         temperature: jax.typing.ArrayLike,
+                         top_p: jax.typing.ArrayLike) -> jax.Array:
+  """`steps` tokens sampled from the target after each of `prompts [B, P]`: `[B, steps]`.
+
+  Target-only decoding with a KV cache (temperature 0 = greedy), for sample generations.
+  """
+  batch, plen = prompts.shape
+  cache = transformer.init_cache(cfg, batch, plen + steps)
+  positions = jnp.broadcast_to(jnp.arange(plen), prompts.shape)
+  out = transformer.forward(params, prompts, positions, cache, cfg=cfg)
+  key, sub = jax.random.split(key)
+  first = sample_tokens(sub, out.logits[:, -1], temperature=temperature, top_p=top_p)
+
+  def step(carry, k):
+    cache, last, pos = carry
+    o = transformer.forward(params, last[:, None], pos[:, None], cache, cfg=cfg)
+    nxt = sample_tokens(k, o.logits[:, 0], temperature=temperature, top_p=top_p)
+    return (o.cache, nxt, pos + 1), last
+
+  pos = jnp.full([batch], plen, jnp.int32)
+  _, toks = jax.lax.scan(step, (out.cache, first, pos), jax.random.split(key, steps))
+  return toks.T

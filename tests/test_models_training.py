@@ -1,4 +1,4 @@
-"""Training survives a stop: a checkpointed, stopped and resumed run equals an uninterrupted one."""
+"""Training survives a stop (stopped + resumed == uninterrupted), and the measurements of MODELS.md."""
 
 import dataclasses
 
@@ -93,3 +93,16 @@ def test_bits_per_byte_matches_loss_and_byte_count():
   np.testing.assert_allclose(bpb, loss * windows[:, 1:].size / np.log(2) / num_bytes,
                              rtol=1e-6)
   assert lengths[0] == 0 and lengths.min() == 0 and lengths[1:].min() >= 1
+
+
+def test_sample_continuations_greedy_equals_uncached_argmax():
+  params = transformer.init_params(CFG.target, jax.random.key(0))
+  prompts = jax.random.randint(jax.random.key(1), (2, 5), 0, CFG.target.vocab_size)
+  got = evaluate.sample_continuations(params, prompts, jax.random.key(2), cfg=CFG.target,
+                                      steps=6, temperature=0.0, top_p=1.0)
+  seq = prompts
+  for _ in range(6):
+    pos = jnp.broadcast_to(jnp.arange(seq.shape[1]), seq.shape)
+    logits = transformer.forward(params, seq, pos, cfg=CFG.target).logits[:, -1]
+    seq = jnp.concatenate([seq, jnp.argmax(logits, -1)[:, None].astype(seq.dtype)], 1)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(seq[:, 5:]))

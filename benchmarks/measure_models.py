@@ -29,10 +29,14 @@ import numpy as np
 
 from av_jax import data
 from av_jax import models
+from av_jax import engine as engine_lib
+from av_jax.engine import profile as profile_lib
 from av_jax.features import logit_qmax
-from av_jax.models import evaluate
+from av_jax.models import compute, evaluate, pipeline
 
 SETTINGS = (("sampled", 1.0), ("greedy", 0.0))
+VERIFY_CONTEXT = 512  # cache length M of the profiled verify programs (the CLI's default)
+REFERENCE = os.path.join(os.path.dirname(__file__), "reference", "default_v1_heldout.json")
 
 
 def measure(name: str, directory: str | None, kinds=models.KINDS) -> dict:
@@ -53,6 +57,10 @@ def measure(name: str, directory: str | None, kinds=models.KINDS) -> dict:
                                K=mc.K, steps=mc.steps, temperature=temperature, top_p=top_p)
         stats = evaluate.acceptance_stats(rec)
         stats["seconds"] = time.time() - t0
+        if setting == "sampled":  # the estimator's feature against these labels
+          lab = np.asarray(rec.labeled)
+          feat = np.asarray(logit_qmax(rec.draft_logits, temperature=1.0, top_p=mc.top_p))
+          stats["logit_qmax_auc"] = evaluate.auc(feat[lab], np.asarray(rec.accepted)[lab])
         out["drafters"][kind].setdefault(setting, {})[wl] = stats
         print(f"{kind:<10} {wl:<6} {setting:<7} pos1 {stats['acceptance'][0]:.3f} "
               f"emitted {stats['mean_emitted']:.2f} ({stats['seconds']:.1f}s)", flush=True)
@@ -69,6 +77,7 @@ def measure(name: str, directory: str | None, kinds=models.KINDS) -> dict:
               "head_by_position": [evaluate.auc(conf[pos == i], y[pos == i])
                                    for i in range(mc.K)],
               "_raw": (conf.tolist(), feat.tolist(), y.tolist())}
+  out.update(extras(pairs[next(iter(pairs))]))
   if not out["head_auc"]:
     out["cfg"] = cfg
     return out
@@ -80,6 +89,120 @@ def measure(name: str, directory: str | None, kinds=models.KINDS) -> dict:
                             "labels": int(len(y))}
   out["cfg"] = cfg
   return out
+
+
+def verify_curve(pair, *, num_slots: int, sizes, repeats: int = 5) -> dict:
+  """Profiled verify cost (the engine's own program) at packed sizes `sizes`, one run."""
+  K = pair.cfg.measure.K
+  config = engine_lib.EngineConfig(num_slots=num_slots, max_draft=K, max_len=VERIFY_CONTEXT,
+                                   buckets=tuple(sizes), mode="av")
+  eng = engine_lib.make_engine(config, pair.cfg, pair.drafter)
+  params = engine_lib.Params(pair.target_params, pair.drafter_params)
+  prof = profile_lib.measure(eng, params, repeats=repeats)
+  return {"buckets": prof["buckets"], "ms": prof["bucket_ms"], "draft_ms": prof["draft_ms"],
+          "device_kind": prof["device_kind"], "cache_len": VERIFY_CONTEXT}
+
+
+def samples(pair, *, num: int = 5, steps: int = 64, prompt_len: int = 32) -> dict:
+  """`num` held-out prompts per workload continued for `steps` tokens, greedy and T = 1."""
+  cfg = pair.cfg
+  out = {}
+  for w_idx, wl in enumerate(data.list_workloads()):
+    prompts = data.prompts(wl, tokenizer=pair.tokenizer, num=num, length=prompt_len, seed=5,
+                           config=cfg.data)
+    out[wl] = {"prompts": [pair.tokenizer.decode(p) for p in prompts]}
+    for setting, temperature in SETTINGS:
+      toks = evaluate.sample_continuations(
+          pair.target_params, jnp.asarray(prompts), jax.random.key(77 + w_idx), cfg=cfg.target,
+          steps=steps, temperature=temperature,
+          top_p=cfg.measure.top_p if temperature > 0 else 1.0)
+      out[wl][setting] = [pair.tokenizer.decode(t) for t in np.asarray(toks)]
+  return out
+
+
+def extras(pair) -> dict:
+  """Held-out bits/byte, multiply-adds per token, verify-cost curves, sample generations."""
+  cfg = pair.cfg
+  lengths = pair.tokenizer.byte_lengths()
+  bpb = {wl: evaluate.heldout_bits_per_byte(
+      pair.target_params, pipeline.heldout_windows(cfg, pair.tokenizer, wl), lengths,
+      cfg=cfg.target, batch=min(16, cfg.measure.eval_windows))
+         for wl in data.list_workloads()}
+  K = cfg.measure.K
+  t0 = time.time()
+  curves = {"B=1": verify_curve(pair, num_slots=1, sizes=range(1, K + 2)),
+            "B=16": verify_curve(pair, num_slots=16,
+                                 sizes=(16, 32, 48, 64, 96, 128, 16 * (K + 1)))}
+  print(f"verify curves in {time.time() - t0:.0f}s: " + json.dumps(
+      {k: [round(x, 2) for x in v["ms"]] for k, v in curves.items()}), flush=True)
+  return {"bits_per_byte": bpb, "macs": compute.multiply_adds_per_token(cfg),
+          "verify_curves": curves, "samples": samples(pair)}
+
+
+def _extra_sections(res: dict, cfg, summary: dict) -> list[str]:
+  """Compute per token, bits/byte against the old set, verify-cost curves, feature AUCs."""
+  if "macs" not in res:
+    return []
+  macs = res["macs"]
+  lines = ["", "## Compute per token", "",
+           "Multiply-adds per token counted from the shapes (`av_jax.models.compute`: every "
+           "weight read once; attention over the context not included). Drafters: per drafted "
+           "token (`block`: one pass over K_max + 1 slots / K_max; `eagle`, `draft_lm`: one "
+           "drafting step).", "",
+           "| model | multiply-adds / token | / target |", "|---|---:|---:|"]
+  for part, m in macs.items():
+    lines.append(f"| {part} | {m / 1e6:.3f}M | {m / macs['target']:.3f} |")
+  ref = {}
+  if cfg.name == "default" and os.path.exists(REFERENCE):
+    with open(REFERENCE, encoding="utf-8") as f:
+      ref = json.load(f)
+  lines += ["", "## Held-out bits per byte, against the old set", "",
+            "Summed next-token cross-entropy over the text's bytes (comparable across "
+            "tokenizers; `<|endoftext|>` stands for no bytes but is charged), "
+            f"{cfg.measure.eval_windows} held-out windows of {cfg.train_target.seq_len + 1} "
+            f"tokens per workload. Old: {ref.get('model_set', 'not recorded')}.", "",
+            "| workload | old bits/byte | new bits/byte | change |", "|---|---:|---:|---:|"]
+  for wl, b in res["bits_per_byte"].items():
+    old = ref.get("workloads", {}).get(wl, {}).get("bits_per_byte")
+    change = f"{(b - old) / old * 100:+.1f}%" if old else "-"
+    lines.append(f"| {wl} | {_fmt(old)} | {b:.3f} | {change} |")
+  for name, c in res["verify_curves"].items():
+    base = c["ms"][0]
+    lines += ["", f"## Verify cost, {name} ({c['device_kind']}, cache length {c['cache_len']})",
+              "", "The engine's verify program (`av_jax.engine.profile.measure`, median of 5 "
+              "runs) at each packed size T, measured side by side in one run; drafting all "
+              f"slots ({name[2:]}) K = {cfg.measure.K} tokens: {c['draft_ms']:.2f} ms.", "",
+              "| T | verify ms | / T = smallest |", "|---:|---:|---:|"]
+    for t, ms in zip(c["buckets"], c["ms"]):
+      lines.append(f"| {t} | {ms:.2f} | {ms / base:.2f} |")
+  lines += ["", "## logit(q_max) AUC per workload and drafter", "",
+            f"AUC of the estimator's feature against the accept/reject labels of the sampled "
+            f"setting (temperature 1, top-p {cfg.measure.top_p}, every position).", "",
+            "| drafter | " + " | ".join(data.list_workloads()) + " |",
+            "|---|" + "---:|" * len(data.list_workloads())]
+  for kind, by in res["drafters"].items():
+    lines.append(f"| {kind} | " + " | ".join(
+        _fmt(by["sampled"][wl].get("logit_qmax_auc")) for wl in data.list_workloads()) + " |")
+  path = summary.get("training_path", "CPU (this machine)")
+  lines += ["", "## Training", "", f"Path: {path}. Timings above; tokens per second and "
+            "GFLOP/s were printed by the training bars."]
+  return lines
+
+
+def _sample_sections(res: dict) -> list[str]:
+  if "samples" not in res:
+    return []
+  lines = ["", "## Sample generations", "",
+           "Five held-out prompts per workload (32 tokens), each continued for 64 tokens by "
+           "the target alone, greedy and at temperature 1 / top-p 0.95. `⏎` marks a newline."]
+  show = lambda t: t.replace("\n", "⏎").replace("`", "'")
+  for wl, d in res["samples"].items():
+    lines += ["", f"### {wl}", ""]
+    for i, prompt in enumerate(d["prompts"]):
+      lines += [f"{i + 1}. prompt: `{show(prompt)}`",
+                f"   * greedy: `{show(d['greedy'][i])}`",
+                f"   * T = 1: `{show(d['sampled'][i])}`"]
+  return lines
 
 
 def _fmt(x):
@@ -130,6 +253,7 @@ def write_markdown(path: str, name: str, res: dict, summary: dict, command: str,
             "| workload | loss (nats/token) | perplexity |", "|---|---:|---:|"]
   for wl, loss in summary["heldout_loss"].items():
     lines.append(f"| {wl} | {loss:.3f} | {np.exp(loss):.1f} |")
+  lines += _extra_sections(res, cfg, summary)
   for setting, label in (("sampled", f"temperature 1, top-p {mc.top_p}"),
                          ("greedy", "greedy (temperature 0)")):
     lines += ["", f"## Acceptance, {label}, K = {mc.K}", "",
@@ -172,6 +296,7 @@ def write_markdown(path: str, name: str, res: dict, summary: dict, command: str,
     by_pos = " ".join(_fmt(x) for x in a.get("head_by_position", []))
     lines.append(f"| {wl} | {a['labels']} | {a['head']:.3f} | {a['logit_qmax']:.3f} | "
                  f"{by_pos} |")
+  lines += _sample_sections(res)
   lines.append("")
   with open(path, "w", encoding="utf-8") as f:
     f.write("\n".join(lines))

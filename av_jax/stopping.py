@@ -36,6 +36,7 @@ Shapes: B slots, K draft depths. Depths are 1-based counts (`depth = j` means po
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Callable, NamedTuple
 
 import jax
@@ -84,10 +85,10 @@ def check_params(params: StopParams) -> StopParams:
       not an integer >= 1, `prune_outranked` not a bool.
   """
   margin, min_depth, prune = params
-  if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not (
+  if isinstance(margin, bool) or not isinstance(margin, numbers.Real) or not (
       math.isfinite(margin) and 0.0 < margin <= 1.0):
     raise ValueError(f"margin: expected a finite number in (0, 1], got {margin!r}")
-  if isinstance(min_depth, bool) or not isinstance(min_depth, int) or min_depth < 1:
+  if isinstance(min_depth, bool) or not isinstance(min_depth, numbers.Integral) or min_depth < 1:
     raise ValueError(f"min_depth: expected an integer >= 1, got {min_depth!r}")
   if not isinstance(prune, bool):
     raise ValueError(f"prune_outranked: expected a bool, got {prune!r}")

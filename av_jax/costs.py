@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import glob
 import json
 import math
 import time
@@ -81,12 +80,17 @@ class DeviceSpec:
   memory_bandwidth: float          # bytes/s, main memory (HBM, DRAM) streaming reads
   flops_fraction: float = 1.0      # achievable fraction of peak_flops for large matmuls
   bandwidth_fraction: float = 1.0  # achievable fraction of memory_bandwidth
-  write_bandwidth: float | None = None  # bytes/s of streaming writes to main memory; None:
-                                        # memory_bandwidth (HBM writes as fast as reads)
-  # Bytes of a kernel's written buffer that stay in the last-level cache (and are written
-  # at the read rate, never streamed out): on a CPU a per-layer temporary that the next
-  # layer overwrites. 0: every written byte goes to main memory.
-  cache_bytes: float = 0.0
+  write_bandwidth: float | None = None  # bytes/s of streaming writes; None: memory_bandwidth
+  # Elements/s of a gather that also transposes (XLA:CPU's loop fusion for av_jax's
+  # per-token cache gather, `Implementation.kv_reads == "per_token"`); math.inf: the
+  # gather streams at the bandwidth (charged by its bytes alone).
+  gather_rate: float = math.inf
+  # A program whose temporaries total at least `first_touch_threshold` bytes gets fresh
+  # pages for them on every run (glibc serves allocations >= 32 MiB with mmap), and pays
+  # their page faults: temporaries / `first_touch_bandwidth`. math.inf: never (device
+  # allocators pool their buffers).
+  first_touch_bandwidth: float = math.inf
+  first_touch_threshold: float = math.inf
   step_overhead_s: float = 0.0     # fixed cost of launching one program (host dispatch)
   layer_overhead_s: float = 0.0    # per transformer layer of a program (kernel launches)
   source: str = ""                 # where every figure comes from
@@ -101,7 +105,9 @@ class DeviceSpec:
     _fraction("bandwidth_fraction", self.bandwidth_fraction)
     if self.write_bandwidth is not None:
       _positive("write_bandwidth", self.write_bandwidth)
-    _non_negative("cache_bytes", self.cache_bytes)
+    _positive("gather_rate", self.gather_rate)
+    _positive("first_touch_bandwidth", self.first_touch_bandwidth)
+    _positive("first_touch_threshold", self.first_touch_threshold)
     _non_negative("step_overhead_s", self.step_overhead_s)
     _non_negative("layer_overhead_s", self.layer_overhead_s)
 
@@ -119,7 +125,7 @@ class DeviceSpec:
 
   @property
   def write_rate(self) -> float:
-    """Achievable bytes/s of streaming writes."""
+    """Achievable bytes/s of streaming writes to main memory."""
     write = self.memory_bandwidth if self.write_bandwidth is None else self.write_bandwidth
     return write * self.bandwidth_fraction
 
@@ -189,99 +195,110 @@ DEVICE_NAMES = tuple(DEVICES) + ("cpu",)
 
 class CpuMeasurement(NamedTuple):
   """The raw microbenchmark results behind the `cpu` spec."""
-  matmul_flops: float        # FLOP/s of a jitted float32 N x N matmul
-  read_bandwidth: float      # bytes/s of a jitted sum over a large array (reads only)
-  copy_bandwidth: float      # (read + write) bytes/s of a jitted copy of that array
-  dispatch_s: float          # seconds of one jitted call on a 4-element array
-  cache_bytes: float         # last-level cache size (sysfs), 0 if unknown
-  matmul_n: int              # N of the matmul
-  array_bytes: int           # bytes of the array summed and copied
+  matmul_flops: float    # FLOP/s of a jitted float32 N x N matmul
+  small_bytes: int       # an array below the first-touch threshold ...
+  small_read_s: float    # ... its sum (reads only), seconds
+  small_copy_s: float    # ... its copy (reads + writes into reused pages), seconds
+  large_bytes: int       # an array above the threshold (fresh pages every run) ...
+  large_read_s: float    # ... its sum, seconds
+  large_copy_s: float    # ... its copy (reads + writes + page faults), seconds
+  gather_elements: int   # elements written by a transposing gather ...
+  gather_s: float        # ... its time, seconds
+  dispatch_s: float      # seconds of one jitted call on a 4-element array
+  matmul_n: int          # N of the matmul
 
 
-# Sizes of the start-up microbenchmarks: a matmul big enough to reach XLA:CPU's full GEMM
-# rate, an array twice this machine's 32 MiB L3 so sums and copies stream from DRAM.
+# The start-up microbenchmarks: a matmul big enough to reach XLA:CPU's full GEMM rate; sums
+# and copies of a 16 MiB and a 64 MiB array (either side of glibc's 32 MiB mmap
+# threshold, twice the 32 MiB L3); and a gather of a [16, 512, 6, 32] float32 cache into
+# [40, 6, 32, 512] (15 MiB), the layout av_jax's packed attention gathers into.
 CPU_MATMUL_N = 1024
-CPU_ARRAY_BYTES = 64 * 2**20
-CPU_REPEATS = 7
-# Share of the last-level cache a kernel's written buffer can keep: the rest holds what
-# the kernel reads at the same time (the cache it gathers from, the weights). An
-# assumption, not a measurement.
-CPU_CACHE_SHARE = 0.5
+CPU_SMALL_BYTES = 16 * 2**20
+CPU_LARGE_BYTES = 64 * 2**20
+CPU_GATHER = dict(slots=16, positions=512, heads=6, head_dim=32, tokens=40)
+CPU_REPEATS = 3
+# glibc's largest dynamic mmap threshold on 64-bit Linux (DEFAULT_MMAP_THRESHOLD_MAX):
+# allocations at least this large are mapped fresh, and fault on first touch, every run.
+GLIBC_MMAP_THRESHOLD = 32 * 2**20
 
 
-def _median_s(fn, *args, repeats: int) -> float:
+# Each microbenchmark runs at least this long, and reports the median run, the statistic
+# the engine's profile takes: on a shared machine more runs give a steadier median.
+CPU_MIN_SECONDS = 0.3
+
+
+def _median_s(fn, *args, repeats: int, min_seconds: float = CPU_MIN_SECONDS) -> float:
+  """Median seconds of `fn(*args)` over at least `repeats` runs and `min_seconds`."""
   jax.block_until_ready(fn(*args))  # compile + warm-up
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
+  times, start = [], time.perf_counter()
+  while len(times) < repeats or time.perf_counter() - start < min_seconds:
+    run = time.perf_counter()
     jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - start)
+    times.append(time.perf_counter() - run)
   return float(np.median(times))
 
 
-def _last_level_cache_bytes() -> float:
-  """Size of the largest CPU cache from Linux sysfs (0 where unavailable)."""
-  sizes = []
-  for path in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
-    try:
-      with open(path) as f:
-        text = f.read().strip()
-    except OSError:
-      continue
-    units = {"K": 2**10, "M": 2**20, "G": 2**30}
-    scale = units.get(text[-1:].upper(), 1)
-    digits = text[:-1] if text[-1:].upper() in units else text
-    if digits.isdigit():
-      sizes.append(int(digits) * scale)
-  return float(max(sizes, default=0))
+def measure_cpu(*, matmul_n: int = CPU_MATMUL_N, small_bytes: int = CPU_SMALL_BYTES,
+                large_bytes: int = CPU_LARGE_BYTES, gather: Mapping[str, int] = CPU_GATHER,
+                repeats: int = CPU_REPEATS, min_seconds: float = CPU_MIN_SECONDS
+                ) -> CpuMeasurement:
+  """Microbenchmarks of the default JAX device (medians over >= `repeats` jitted runs and
+  `min_seconds`).
 
-
-def measure_cpu(*, matmul_n: int = CPU_MATMUL_N, array_bytes: int = CPU_ARRAY_BYTES,
-                repeats: int = CPU_REPEATS) -> CpuMeasurement:
-  """Microbenchmarks of the default JAX device: matmul FLOP/s, read and copy bandwidth.
-
-  Each is the median of `repeats` jitted runs after a warm-up: a float32 matmul (FLOP/s),
-  a sum over an array larger than the last-level cache (streaming reads) and a copy of
-  the same array (reads plus streaming writes), and one tiny jitted call (dispatch).
+  A float32 matmul (FLOP/s); a sum (reads) and a copy (reads + writes) of an array below
+  and one above the first-touch threshold; a transposing gather (elements/s); one tiny
+  jitted call (dispatch).
   """
   a = jnp.ones((matmul_n, matmul_n), jnp.float32)
-  matmul_s = _median_s(jax.jit(jnp.matmul), a, a, repeats=repeats)
-  x = jnp.ones((array_bytes // 4,), jnp.float32)
-  read_s = _median_s(jax.jit(jnp.sum), x, repeats=repeats)
-  copy_s = _median_s(jax.jit(lambda x: x * 2.0), x, repeats=repeats)
+  matmul_s = _median_s(jax.jit(jnp.matmul), a, a, repeats=repeats, min_seconds=min_seconds)
+  total, copy = jax.jit(jnp.sum), jax.jit(lambda x: x * 2.0)
+  timed = []
+  for size in (small_bytes, large_bytes):
+    x = jnp.ones((size // 4,), jnp.float32)
+    timed += [_median_s(total, x, repeats=repeats, min_seconds=min_seconds), _median_s(copy, x, repeats=repeats, min_seconds=min_seconds)]
+    del x
+  cache = jnp.ones((gather["slots"], gather["positions"], gather["heads"], gather["head_dim"]))
+  slot = jnp.arange(gather["tokens"]) % gather["slots"]
+  gather_fn = jax.jit(lambda c, s: jnp.transpose(c[s], (0, 2, 3, 1)))
+  gather_s = _median_s(gather_fn, cache, slot, repeats=repeats, min_seconds=min_seconds)
   tiny = jnp.ones((4,), jnp.float32)
-  dispatch_s = _median_s(jax.jit(lambda x: x + 1.0), tiny, repeats=repeats * 8)
-  return CpuMeasurement(matmul_flops=2.0 * matmul_n**3 / matmul_s,
-                        read_bandwidth=array_bytes / read_s,
-                        copy_bandwidth=2.0 * array_bytes / copy_s, dispatch_s=dispatch_s,
-                        cache_bytes=_last_level_cache_bytes(), matmul_n=matmul_n,
-                        array_bytes=array_bytes)
+  dispatch_s = _median_s(jax.jit(lambda x: x + 1.0), tiny, repeats=repeats * 8,
+                       min_seconds=min_seconds)
+  return CpuMeasurement(
+      matmul_flops=2.0 * matmul_n**3 / matmul_s, small_bytes=small_bytes,
+      small_read_s=timed[0], small_copy_s=timed[1], large_bytes=large_bytes,
+      large_read_s=timed[2], large_copy_s=timed[3],
+      gather_elements=gather["tokens"] * int(np.prod(cache.shape[1:])), gather_s=gather_s,
+      dispatch_s=dispatch_s, matmul_n=matmul_n)
 
 
 def cpu_spec_from(measured: CpuMeasurement) -> DeviceSpec:
   """The `cpu` `DeviceSpec` of a measurement (all fractions 1: the rates are achieved ones).
 
-  A copy of n bytes reads n and writes n: `t = n / read + n / write`, so the write rate is
-  what remains of the copy's time after its reads. (On this workplace's virtual 2-core
-  EPYC, streaming writes run ~10-30x slower than reads, which is what makes av_jax's
-  packed attention, writing a gathered copy of the cache per token, cost what it does.)
+  A copy of n bytes reads n and writes n: below the threshold `copy_s = read_s + n /
+  write`, above it the page faults add `n / first_touch`. Each rate is what remains of
+  its copy's time (floored at a quarter of the copy, so noise cannot make a term free).
+  On this workplace's virtual 2-core EPYC the page faults cost ~30x the writes: a
+  program with large temporaries pays more for touching them than for anything else.
   """
-  n = measured.array_bytes
-  copy_s = 2.0 * n / measured.copy_bandwidth
-  write_s = max(copy_s - n / measured.read_bandwidth, copy_s / 2)
+  n, big = measured.small_bytes, measured.large_bytes
+  write_s = max(measured.small_copy_s - measured.small_read_s, measured.small_copy_s / 4)
+  write = n / write_s
+  fault_s = max(measured.large_copy_s - measured.large_read_s - big / write,
+                measured.large_copy_s / 4)
+  read = big / measured.large_read_s
+  gather = measured.gather_elements / measured.gather_s
   return DeviceSpec(
-      name="cpu", peak_flops={"float32": measured.matmul_flops},
-      memory_bandwidth=measured.read_bandwidth, write_bandwidth=n / write_s,
-      cache_bytes=measured.cache_bytes * CPU_CACHE_SHARE,
-      step_overhead_s=measured.dispatch_s,
+      name="cpu", peak_flops={"float32": measured.matmul_flops}, memory_bandwidth=read,
+      write_bandwidth=write, gather_rate=gather, first_touch_bandwidth=big / fault_s,
+      first_touch_threshold=GLIBC_MMAP_THRESHOLD, step_overhead_s=measured.dispatch_s,
       source=(f"measured at start-up on {jax.devices()[0].device_kind} (jax "
               f"{jax.__version__}): float32 {measured.matmul_n}^3 matmul "
-              f"{measured.matmul_flops / 1e9:.1f} GFLOP/s, sum over "
-              f"{measured.array_bytes >> 20} MiB {measured.read_bandwidth / 1e9:.1f} GB/s, "
-              f"copy {measured.copy_bandwidth / 1e9:.2f} GB/s (read + write; writes "
-              f"{n / write_s / 1e9:.2f} GB/s), dispatch {measured.dispatch_s * 1e6:.1f} us, "
-              f"last-level cache {measured.cache_bytes / 2**20:.0f} MiB ({CPU_CACHE_SHARE:g} "
-              f"of it for a kernel's written buffer)"))
+              f"{measured.matmul_flops / 1e9:.1f} GFLOP/s; reads {read / 1e9:.1f} GB/s "
+              f"(sum over {big >> 20} MiB); writes {write / 1e9:.1f} GB/s (copy of "
+              f"{n >> 20} MiB); first touch {big / fault_s / 1e9:.2f} GB/s (copy of "
+              f"{big >> 20} MiB, fresh pages); transposing gather "
+              f"{gather / 1e9:.2f} G elements/s; dispatch {measured.dispatch_s * 1e6:.1f} us"))
 
 
 @functools.lru_cache(maxsize=1)
@@ -591,25 +608,19 @@ def get_implementation(name: str | Implementation) -> Implementation:
 
 class Kernel(NamedTuple):
   """One kernel's work: the roofline charges max(compute, memory) for it."""
-  flops: float           # FLOPs
-  read_bytes: float      # bytes read
-  write_bytes: float     # bytes written
-  write_block: float     # bytes of the buffer written per layer (rewritten by the next
-                         # layer; the part within `DeviceSpec.cache_bytes` stays cached)
+  flops: float            # FLOPs
+  read_bytes: float       # bytes read
+  write_bytes: float      # bytes written
+  gather_elements: float  # elements written by a transposing gather (av_jax's per-token
+                          # cache gather; `DeviceSpec.gather_rate`)
+  temp_bytes: float       # bytes of temporaries the kernel allocates (first touch)
 
 
 def kernel_seconds(kernel: Kernel, device: DeviceSpec, dtype: str) -> float:
-  """max(compute, memory) time of one kernel.
-
-  Written bytes within the device's cache share of the per-layer block are charged at
-  the read rate (they stay in cache), the rest at the write rate.
-  """
+  """max(compute, memory) time of one kernel (a gather is memory work at its own rate)."""
   compute = kernel.flops / device.flops(dtype)
-  cached = 0.0
-  if kernel.write_block > 0:
-    cached = kernel.write_bytes * min(1.0, device.cache_bytes / kernel.write_block)
-  memory = (kernel.read_bytes + cached) / device.read_rate + (
-      kernel.write_bytes - cached) / device.write_rate
+  memory = kernel.read_bytes / device.read_rate + kernel.write_bytes / device.write_rate
+  memory = max(memory, kernel.gather_elements / device.gather_rate)
   return max(compute, memory)
 
 
@@ -638,8 +649,8 @@ def forward_kernels(shape: ModelShape, *, tokens: int, requests: int, context_le
   b, kvb = shape.param_bytes, shape.kv_element_bytes
   rows = tokens if logits_rows is None else logits_rows
   layers = shape.num_layers
-  dense = Kernel(flops=2.0 * shape.dense_params * tokens,
-                 read_bytes=shape.dense_params * b, write_bytes=0.0, write_block=0.0)
+  dense = Kernel(flops=2.0 * shape.dense_params * tokens, read_bytes=shape.dense_params * b,
+                 write_bytes=0.0, gather_elements=0.0, temp_bytes=0.0)
   qk_width = layers * shape.num_heads * shape.head_dim
   if shape.context_attention:
     # Scores q.k and the weighted sum of values: 2 FLOPs each per (query, key, width).
@@ -650,33 +661,44 @@ def forward_kernels(shape: ModelShape, *, tokens: int, requests: int, context_le
     # The non-donated cache is copied (per layer, before the scatter of the new keys).
     cache_copy = cache_slots * context_len * position if implementation.copies_cache else 0.0
     if implementation.kv_reads == "per_request":
-      kv_read = cache_read * implementation.kv_passes
-      kv_write = new_kv + cache_copy
+      attention = Kernel(flops=attn_flops,
+                         read_bytes=cache_read * implementation.kv_passes + cache_copy,
+                         write_bytes=new_kv + cache_copy, gather_elements=0.0,
+                         temp_bytes=cache_copy)
     else:
       # Each token's gather of its slot's cache is written, then read by the attention's
-      # products (kv_passes - 1 times).
+      # products (kv_passes - 1 times); one layer's gathered copy is live at a time.
       gathered = tokens * context_len * position
-      kv_read = cache_read + gathered * (implementation.kv_passes - 1.0)
-      kv_write = gathered + new_kv + cache_copy
-    attention = Kernel(flops=attn_flops, read_bytes=kv_read + cache_copy,
-                       write_bytes=kv_write, write_block=kv_write / layers)
+      attention = Kernel(
+          flops=attn_flops,
+          read_bytes=cache_read + gathered * (implementation.kv_passes - 1.0) + cache_copy,
+          write_bytes=gathered + new_kv + cache_copy, gather_elements=gathered / kvb,
+          temp_bytes=cache_copy + gathered / layers)
   else:
     block = query_block or 1
     attention = Kernel(flops=4.0 * qk_width * block * tokens, read_bytes=0.0,
-                       write_bytes=0.0, write_block=0.0)
+                       write_bytes=0.0, gather_elements=0.0, temp_bytes=0.0)
   logits_bytes = 4.0 * rows * shape.vocab_size  # float32 logits
   head = Kernel(flops=2.0 * shape.head_params * rows, read_bytes=shape.head_params * b,
-                write_bytes=logits_bytes, write_block=logits_bytes)
+                write_bytes=logits_bytes, gather_elements=0.0, temp_bytes=logits_bytes)
   passes = implementation.sampling_passes if sampling else 0.0
   sampling_kernel = Kernel(flops=0.0, read_bytes=logits_bytes * passes / 2.0,
-                           write_bytes=logits_bytes * passes / 2.0, write_block=logits_bytes)
+                           write_bytes=logits_bytes * passes / 2.0, gather_elements=0.0,
+                           temp_bytes=logits_bytes if sampling else 0.0)
   return dict(dense=dense, attention=attention, head=head, sampling=sampling_kernel)
 
 
 def forward_seconds(kernels: Mapping[str, Kernel], shape: ModelShape, device: DeviceSpec, *,
                     launches: int = 1) -> dict[str, float]:
-  """Seconds per kernel (the combination rule: sum of per-kernel maxima) plus overheads."""
+  """Seconds per kernel (the combination rule: sum of per-kernel maxima) plus overheads.
+
+  `first_touch` is the page faults of a program whose temporaries reach the device's
+  first-touch threshold (XLA:CPU: every run); `overhead` the launch costs.
+  """
   out = {name: kernel_seconds(k, device, shape.dtype) for name, k in kernels.items()}
+  temps = sum(k.temp_bytes for k in kernels.values())
+  out["first_touch"] = temps / device.first_touch_bandwidth if (
+      temps >= device.first_touch_threshold) else 0.0
   out["overhead"] = launches * device.step_overhead_s + shape.num_layers * device.layer_overhead_s
   return out
 
@@ -775,7 +797,8 @@ def roofline_costs(target: str | ModelShape, drafter: str | ModelShape | None,
       raise ValueError(f"{name}: expected a positive integer, got {value!r}")
   max_tokens = num_slots * (max_draft + 1)
   sizes = _resolve_buckets(buckets, max_tokens)
-  terms = {name: [] for name in ("dense", "attention", "head", "sampling", "overhead")}
+  terms = {name: [] for name in ("dense", "attention", "head", "sampling", "first_touch",
+                                 "overhead")}
   bucket_ms = []
   for size in sizes:
     kernels = forward_kernels(target, tokens=size, requests=min(size, num_slots),

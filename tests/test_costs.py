@@ -1,6 +1,8 @@
 """Cost models: roofline formulas by hand, table properties, names and specs, table files."""
 
+import dataclasses
 import json
+import math
 
 import jax
 import numpy as np
@@ -172,17 +174,29 @@ def test_cost_table_file_round_trips(tmp_path):
 
 
 def test_cpu_spec_from_microbenchmarks():
-  measured = costs.measure_cpu(matmul_n=64, array_bytes=1 << 20, repeats=2)
-  assert measured.matmul_flops > 0 and measured.read_bandwidth > 0
+  measured = costs.measure_cpu(matmul_n=64, small_bytes=1 << 18, large_bytes=1 << 20,
+                               gather=dict(slots=2, positions=8, heads=2, head_dim=4, tokens=4),
+                               repeats=2, min_seconds=0.0)
+  assert measured.matmul_flops > 0 and measured.gather_s > 0 and measured.dispatch_s > 0
   spec = costs.cpu_spec_from(measured)
   assert spec.flops("float32") == measured.matmul_flops
-  assert 0 < spec.write_rate and spec.read_rate == measured.read_bandwidth
-  # A copy of n bytes is charged its read and its write, which gives back its time (the
-  # write rate is at most twice the copy's, when reads look free).
-  n = measured.array_bytes
-  copy_s = 2 * n / measured.copy_bandwidth
-  modelled_s = n / spec.read_rate + n / spec.write_rate
-  if n / spec.read_rate <= copy_s / 2:
-    assert modelled_s == pytest.approx(copy_s, rel=1e-6)
-  else:
-    assert spec.write_rate == pytest.approx(n / (copy_s / 2), rel=1e-6)
+  assert spec.first_touch_threshold == costs.GLIBC_MMAP_THRESHOLD
+  # The small copy is charged its reads and writes, the large one also its page faults:
+  # the spec gives back both copies' times (each term floored at a quarter of its copy).
+  n, big = measured.small_bytes, measured.large_bytes
+  write_s = max(measured.small_copy_s - measured.small_read_s, measured.small_copy_s / 4)
+  assert n / spec.write_rate == pytest.approx(write_s, rel=1e-6)
+  fault_s = max(measured.large_copy_s - measured.large_read_s - big / spec.write_rate,
+                measured.large_copy_s / 4)
+  assert big / spec.first_touch_bandwidth == pytest.approx(fault_s, rel=1e-6)
+  assert spec.gather_rate == pytest.approx(measured.gather_elements / measured.gather_s)
+
+
+def test_first_touch_is_charged_only_above_the_threshold():
+  spec = dataclasses.replace(DEVICE, first_touch_bandwidth=10.0, first_touch_threshold=100.0)
+  impl = costs.IMPLEMENTATIONS["fused"]
+  small = costs.forward_kernels(SHAPE, tokens=1, requests=1, context_len=1, implementation=impl)
+  assert costs.forward_seconds(small, SHAPE, spec)["first_touch"] == 0.0  # 80 B of temps
+  big = costs.forward_kernels(SHAPE, tokens=3, requests=3, context_len=5, implementation=impl)
+  # Temporaries: the float32 logits of the head and of the sampling, 2 x 120 bytes.
+  assert costs.forward_seconds(big, SHAPE, spec)["first_touch"] == pytest.approx(24.0)

@@ -26,6 +26,13 @@ KV-cache streaming hides under the dense matmuls, which no sequential schedule d
 a plain sum of compute and memory time would double-count the overlap inside a matmul:
 up to 2x at the knee). A fixed launch overhead per program and per layer is added.
 
+The measured `cpu` spec adds two terms that XLA:CPU programs pay and accelerators do not
+(both measured by start-up microbenchmarks, `measure_cpu`): a transposing gather runs at
+its own elements/s (av_jax's packed attention gathers each token's slot cache into a
+transposed layout), and a program whose temporaries reach glibc's 32 MiB mmap threshold
+page-faults them in on every run. `docs/costs.md` has the validation against the engine's
+profile.
+
 Units: seconds and bytes inside, milliseconds in the tables (the `CostModel` convention).
 Dimension letters as elsewhere: B slots, K draft positions, V vocabulary, T packed
 tokens, D model width, R active requests.
@@ -82,9 +89,11 @@ class DeviceSpec:
   bandwidth_fraction: float = 1.0  # achievable fraction of memory_bandwidth
   write_bandwidth: float | None = None  # bytes/s of streaming writes; None: memory_bandwidth
   # Elements/s of a gather that also transposes (XLA:CPU's loop fusion for av_jax's
-  # per-token cache gather, `Implementation.kv_reads == "per_token"`); math.inf: the
-  # gather streams at the bandwidth (charged by its bytes alone).
-  gather_rate: float = math.inf
+  # per-token cache gather, `Implementation.kv_reads == "per_token"`) by the size of the
+  # buffer it writes: ((bytes, elements/s), ...), ascending sizes, log-interpolated and
+  # clamped at the ends (a cache-resident output is written faster). Empty: the gather
+  # streams at the bandwidth (charged by its bytes alone).
+  gather_curve: tuple[tuple[float, float], ...] = ()
   # A program whose temporaries total at least `first_touch_threshold` bytes gets fresh
   # pages for them on every run (glibc serves allocations >= 32 MiB with mmap), and pays
   # their page faults: temporaries / `first_touch_bandwidth`. math.inf: never (device
@@ -105,7 +114,11 @@ class DeviceSpec:
     _fraction("bandwidth_fraction", self.bandwidth_fraction)
     if self.write_bandwidth is not None:
       _positive("write_bandwidth", self.write_bandwidth)
-    _positive("gather_rate", self.gather_rate)
+    for size, rate in self.gather_curve:
+      _positive("gather_curve size", size)
+      _positive("gather_curve rate", rate)
+    if list(self.gather_curve) != sorted(self.gather_curve):
+      raise ValueError(f"gather_curve: expected ascending sizes, got {self.gather_curve}")
     _positive("first_touch_bandwidth", self.first_touch_bandwidth)
     _positive("first_touch_threshold", self.first_touch_threshold)
     _non_negative("step_overhead_s", self.step_overhead_s)
@@ -128,6 +141,14 @@ class DeviceSpec:
     """Achievable bytes/s of streaming writes to main memory."""
     write = self.memory_bandwidth if self.write_bandwidth is None else self.write_bandwidth
     return write * self.bandwidth_fraction
+
+  def gather_rate(self, block_bytes: float) -> float:
+    """Elements/s of a transposing gather writing `block_bytes` (inf: no curve)."""
+    if not self.gather_curve:
+      return math.inf
+    sizes = np.log([size for size, _ in self.gather_curve])
+    rates = np.log([rate for _, rate in self.gather_curve])
+    return float(np.exp(np.interp(math.log(max(block_bytes, 1.0)), sizes, rates)))
 
 
 def _positive(name: str, value: float) -> None:
@@ -202,8 +223,8 @@ class CpuMeasurement(NamedTuple):
   large_bytes: int       # an array above the threshold (fresh pages every run) ...
   large_read_s: float    # ... its sum, seconds
   large_copy_s: float    # ... its copy (reads + writes + page faults), seconds
-  gather_elements: int   # elements written by a transposing gather ...
-  gather_s: float        # ... its time, seconds
+  gather_bytes: tuple[int, ...]  # outputs of transposing gathers, ascending bytes ...
+  gather_s: tuple[float, ...]    # ... their times, seconds
   dispatch_s: float      # seconds of one jitted call on a 4-element array
   matmul_n: int          # N of the matmul
 
@@ -211,11 +232,13 @@ class CpuMeasurement(NamedTuple):
 # The start-up microbenchmarks: a matmul big enough to reach XLA:CPU's full GEMM rate; sums
 # and copies of a 16 MiB and a 64 MiB array (either side of glibc's 32 MiB mmap
 # threshold, twice the 32 MiB L3); and a gather of a [16, 512, 6, 32] float32 cache into
-# [40, 6, 32, 512] (15 MiB), the layout av_jax's packed attention gathers into.
+# [40, 6, 32, 512] (15 MiB), the layout av_jax's packed attention gathers into. One gather
+# size: adding a cache-resident one (T = 4, 1.5 MiB, 2.6x faster per element) made the
+# `tiny` target's prediction worse (0.38-0.70 of measured), whose time is not the gather's.
 CPU_MATMUL_N = 1024
 CPU_SMALL_BYTES = 16 * 2**20
 CPU_LARGE_BYTES = 64 * 2**20
-CPU_GATHER = dict(slots=16, positions=512, heads=6, head_dim=32, tokens=40)
+CPU_GATHER = dict(slots=16, positions=512, heads=6, head_dim=32, tokens=(40,))
 CPU_REPEATS = 3
 # glibc's largest dynamic mmap threshold on 64-bit Linux (DEFAULT_MMAP_THRESHOLD_MAX):
 # allocations at least this large are mapped fresh, and fault on first touch, every run.
@@ -258,9 +281,12 @@ def measure_cpu(*, matmul_n: int = CPU_MATMUL_N, small_bytes: int = CPU_SMALL_BY
     timed += [_median_s(total, x, repeats=repeats, min_seconds=min_seconds), _median_s(copy, x, repeats=repeats, min_seconds=min_seconds)]
     del x
   cache = jnp.ones((gather["slots"], gather["positions"], gather["heads"], gather["head_dim"]))
-  slot = jnp.arange(gather["tokens"]) % gather["slots"]
   gather_fn = jax.jit(lambda c, s: jnp.transpose(c[s], (0, 2, 3, 1)))
-  gather_s = _median_s(gather_fn, cache, slot, repeats=repeats, min_seconds=min_seconds)
+  gather_bytes, gather_s = [], []
+  for tokens in sorted(gather["tokens"]):
+    slot = jnp.arange(tokens) % gather["slots"]
+    gather_bytes.append(tokens * int(np.prod(cache.shape[1:])) * 4)
+    gather_s.append(_median_s(gather_fn, cache, slot, repeats=repeats, min_seconds=min_seconds))
   tiny = jnp.ones((4,), jnp.float32)
   dispatch_s = _median_s(jax.jit(lambda x: x + 1.0), tiny, repeats=repeats * 8,
                        min_seconds=min_seconds)
@@ -268,7 +294,7 @@ def measure_cpu(*, matmul_n: int = CPU_MATMUL_N, small_bytes: int = CPU_SMALL_BY
       matmul_flops=2.0 * matmul_n**3 / matmul_s, small_bytes=small_bytes,
       small_read_s=timed[0], small_copy_s=timed[1], large_bytes=large_bytes,
       large_read_s=timed[2], large_copy_s=timed[3],
-      gather_elements=gather["tokens"] * int(np.prod(cache.shape[1:])), gather_s=gather_s,
+      gather_bytes=tuple(gather_bytes), gather_s=tuple(gather_s),
       dispatch_s=dispatch_s, matmul_n=matmul_n)
 
 
@@ -287,18 +313,19 @@ def cpu_spec_from(measured: CpuMeasurement) -> DeviceSpec:
   fault_s = max(measured.large_copy_s - measured.large_read_s - big / write,
                 measured.large_copy_s / 4)
   read = big / measured.large_read_s
-  gather = measured.gather_elements / measured.gather_s
+  curve = tuple((float(n), n / 4 / t) for n, t in zip(measured.gather_bytes, measured.gather_s))
+  rates = ", ".join(f"{n / 2**20:.1f} MiB {rate / 1e9:.2f}" for n, rate in curve)
   return DeviceSpec(
       name="cpu", peak_flops={"float32": measured.matmul_flops}, memory_bandwidth=read,
-      write_bandwidth=write, gather_rate=gather, first_touch_bandwidth=big / fault_s,
+      write_bandwidth=write, gather_curve=curve, first_touch_bandwidth=big / fault_s,
       first_touch_threshold=GLIBC_MMAP_THRESHOLD, step_overhead_s=measured.dispatch_s,
       source=(f"measured at start-up on {jax.devices()[0].device_kind} (jax "
               f"{jax.__version__}): float32 {measured.matmul_n}^3 matmul "
               f"{measured.matmul_flops / 1e9:.1f} GFLOP/s; reads {read / 1e9:.1f} GB/s "
               f"(sum over {big >> 20} MiB); writes {write / 1e9:.1f} GB/s (copy of "
               f"{n >> 20} MiB); first touch {big / fault_s / 1e9:.2f} GB/s (copy of "
-              f"{big >> 20} MiB, fresh pages); transposing gather "
-              f"{gather / 1e9:.2f} G elements/s; dispatch {measured.dispatch_s * 1e6:.1f} us"))
+              f"{big >> 20} MiB, fresh pages); transposing gather G elements/s by output "
+              f"size: {rates}; dispatch {measured.dispatch_s * 1e6:.1f} us"))
 
 
 @functools.lru_cache(maxsize=1)
@@ -611,8 +638,9 @@ class Kernel(NamedTuple):
   flops: float            # FLOPs
   read_bytes: float       # bytes read
   write_bytes: float      # bytes written
-  gather_elements: float  # elements written by a transposing gather (av_jax's per-token
+  gather_elements: float  # elements written by transposing gathers (av_jax's per-token
                           # cache gather; `DeviceSpec.gather_rate`)
+  gather_block: float     # bytes of one gather's output (sets its rate)
   temp_bytes: float       # bytes of temporaries the kernel allocates (first touch)
 
 
@@ -620,7 +648,8 @@ def kernel_seconds(kernel: Kernel, device: DeviceSpec, dtype: str) -> float:
   """max(compute, memory) time of one kernel (a gather is memory work at its own rate)."""
   compute = kernel.flops / device.flops(dtype)
   memory = kernel.read_bytes / device.read_rate + kernel.write_bytes / device.write_rate
-  memory = max(memory, kernel.gather_elements / device.gather_rate)
+  if kernel.gather_elements:
+    memory = max(memory, kernel.gather_elements / device.gather_rate(kernel.gather_block))
   return max(compute, memory)
 
 
@@ -650,7 +679,7 @@ def forward_kernels(shape: ModelShape, *, tokens: int, requests: int, context_le
   rows = tokens if logits_rows is None else logits_rows
   layers = shape.num_layers
   dense = Kernel(flops=2.0 * shape.dense_params * tokens, read_bytes=shape.dense_params * b,
-                 write_bytes=0.0, gather_elements=0.0, temp_bytes=0.0)
+                 write_bytes=0.0, gather_elements=0.0, gather_block=0.0, temp_bytes=0.0)
   qk_width = layers * shape.num_heads * shape.head_dim
   if shape.context_attention:
     # Scores q.k and the weighted sum of values: 2 FLOPs each per (query, key, width).
@@ -663,7 +692,7 @@ def forward_kernels(shape: ModelShape, *, tokens: int, requests: int, context_le
     if implementation.kv_reads == "per_request":
       attention = Kernel(flops=attn_flops,
                          read_bytes=cache_read * implementation.kv_passes + cache_copy,
-                         write_bytes=new_kv + cache_copy, gather_elements=0.0,
+                         write_bytes=new_kv + cache_copy, gather_elements=0.0, gather_block=0.0,
                          temp_bytes=cache_copy)
     else:
       # Each token's gather of its slot's cache is written, then read by the attention's
@@ -673,17 +702,18 @@ def forward_kernels(shape: ModelShape, *, tokens: int, requests: int, context_le
           flops=attn_flops,
           read_bytes=cache_read + gathered * (implementation.kv_passes - 1.0) + cache_copy,
           write_bytes=gathered + new_kv + cache_copy, gather_elements=gathered / kvb,
+          gather_block=gathered / (2 * layers),  # keys and values of one layer apart
           temp_bytes=cache_copy + gathered / layers)
   else:
     block = query_block or 1
     attention = Kernel(flops=4.0 * qk_width * block * tokens, read_bytes=0.0,
-                       write_bytes=0.0, gather_elements=0.0, temp_bytes=0.0)
+                       write_bytes=0.0, gather_elements=0.0, gather_block=0.0, temp_bytes=0.0)
   logits_bytes = 4.0 * rows * shape.vocab_size  # float32 logits
   head = Kernel(flops=2.0 * shape.head_params * rows, read_bytes=shape.head_params * b,
-                write_bytes=logits_bytes, gather_elements=0.0, temp_bytes=logits_bytes)
+                write_bytes=logits_bytes, gather_elements=0.0, gather_block=0.0, temp_bytes=logits_bytes)
   passes = implementation.sampling_passes if sampling else 0.0
   sampling_kernel = Kernel(flops=0.0, read_bytes=logits_bytes * passes / 2.0,
-                           write_bytes=logits_bytes * passes / 2.0, gather_elements=0.0,
+                           write_bytes=logits_bytes * passes / 2.0, gather_elements=0.0, gather_block=0.0,
                            temp_bytes=logits_bytes if sampling else 0.0)
   return dict(dense=dense, attention=attention, head=head, sampling=sampling_kernel)
 

@@ -175,9 +175,10 @@ def test_cost_table_file_round_trips(tmp_path):
 
 def test_cpu_spec_from_microbenchmarks():
   measured = costs.measure_cpu(matmul_n=64, small_bytes=1 << 18, large_bytes=1 << 20,
-                               gather=dict(slots=2, positions=8, heads=2, head_dim=4, tokens=4),
+                               gather=dict(slots=2, positions=8, heads=2, head_dim=4,
+                                           tokens=(2, 4)),
                                repeats=2, min_seconds=0.0)
-  assert measured.matmul_flops > 0 and measured.gather_s > 0 and measured.dispatch_s > 0
+  assert measured.matmul_flops > 0 and min(measured.gather_s) > 0 and measured.dispatch_s > 0
   spec = costs.cpu_spec_from(measured)
   assert spec.flops("float32") == measured.matmul_flops
   assert spec.first_touch_threshold == costs.GLIBC_MMAP_THRESHOLD
@@ -189,7 +190,17 @@ def test_cpu_spec_from_microbenchmarks():
   fault_s = max(measured.large_copy_s - measured.large_read_s - big / spec.write_rate,
                 measured.large_copy_s / 4)
   assert big / spec.first_touch_bandwidth == pytest.approx(fault_s, rel=1e-6)
-  assert spec.gather_rate == pytest.approx(measured.gather_elements / measured.gather_s)
+  for n, t in zip(measured.gather_bytes, measured.gather_s):
+    assert spec.gather_rate(n) == pytest.approx(n / 4 / t, rel=1e-6)
+
+
+def test_gather_curve_interpolates_by_output_size():
+  spec = dataclasses.replace(DEVICE, gather_curve=((1e3, 100.0), (1e5, 1.0)))
+  assert spec.gather_rate(1e4) == pytest.approx(10.0)  # log-log midpoint
+  assert spec.gather_rate(1.0) == pytest.approx(100.0) and spec.gather_rate(1e9) == pytest.approx(1.0)
+  assert DEVICE.gather_rate(1e4) == math.inf
+  with pytest.raises(ValueError, match="gather_curve: expected ascending"):
+    dataclasses.replace(DEVICE, gather_curve=((1e5, 1.0), (1e3, 10.0)))
 
 
 def test_first_touch_is_charged_only_above_the_threshold():

@@ -200,8 +200,9 @@ def init_layers(shape: costs.ModelShape, layers: int, key: jax.Array) -> dict:
               up=(d, f), down=(f, d))
   keys = jax.random.split(key, len(dims))
   dtype = jnp.dtype(shape.dtype)
-  return {name: (jax.random.normal(k, (layers,) + dim, jnp.float32) / math.sqrt(dim[0])
-                 ).astype(dtype) for k, (name, dim) in zip(keys, dims.items())}
+  # Drawn in the weights' dtype: no float32 temporary of the largest stacked matrix.
+  return {name: jax.random.normal(k, (layers,) + dim, dtype) / math.sqrt(dim[0])
+          for k, (name, dim) in zip(keys, dims.items())}
 
 
 def _rms(x):
@@ -281,8 +282,9 @@ def forward_ms(shape: costs.ModelShape, batches, *, max_requests: int, context: 
     proj = (jax.random.normal(key, (shape.input_proj_dim, shape.d_model), jnp.float32)
             / math.sqrt(shape.input_proj_dim)).astype(dtype)
   kv = (layers, max_requests, context, shape.num_kv_heads, shape.head_dim)
-  cache_k = jax.random.normal(key, kv, jnp.float32).astype(dtype)
-  cache_v = cache_k + 1
+  # Constant caches: values do not change the time, and nothing larger than them is made.
+  cache_k = jnp.full(kv, 0.5, dtype)
+  cache_v = jnp.full(kv, -0.5, dtype)
   forward = make_forward(shape)
   times = []
   for r, s in batches:

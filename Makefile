@@ -2,6 +2,8 @@
 # `make test-next` tests a second JAX generation (Python 3.12, ci/constraints-next.txt) in
 # its own venv; `.ci/run` runs both, then ci/integration_check.sh.
 PYTHON ?= python3
+# Extra pytest arguments, e.g. `make test PYTEST_ARGS=--durations=20`.
+PYTEST_ARGS ?=
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
@@ -15,7 +17,7 @@ STAMP_NEXT := $(VENV_NEXT)/.installed
 # primary generation only, to keep CI under 25 minutes on 2 cores).
 NEXT_TESTS := $(wildcard tests/test_core_*.py) tests/test_decision.py tests/test_rejection.py \
   tests/test_lossless.py tests/test_verify_groups.py $(wildcard tests/test_engine*.py) \
-  tests/test_faults.py tests/test_sharding.py
+  tests/test_faults.py tests/test_sharding.py tests/test_profiling.py tests/test_examples.py
 
 .PHONY: demo test test-next bench-overhead clean
 
@@ -36,11 +38,11 @@ demo: $(STAMP)
 	$(PY) -m av_jax.cli demo
 
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2 --dist worksteal tests
+	$(PY) -m pytest -q -n 2 --dist worksteal $(PYTEST_ARGS) tests
 
 test-next: $(STAMP_NEXT)
 	$(PY_NEXT) -c "import sys, jax, flax; print('test-next: Python', sys.version.split()[0], 'jax', jax.__version__, 'flax', flax.__version__)"
-	$(PY_NEXT) -m pytest -q -n 2 --dist worksteal $(NEXT_TESTS)
+	$(PY_NEXT) -m pytest -q -n 2 --dist worksteal $(PYTEST_ARGS) $(NEXT_TESTS)
 
 # The bench extra asks for torch>=2.13; installing this build first keeps pip from taking a
 # newer (CUDA, several GB) wheel for the range. Override with TORCH=... elsewhere.
@@ -51,4 +53,4 @@ bench-overhead: $(STAMP)
 	$(PY) benchmarks/overhead.py
 
 clean:
-	rm -rf $(VENV) $(VENV_NEXT) *.egg-info
+	rm -rf $(VENV) $(VENV_NEXT) .venv-integration build *.egg-info

@@ -1,10 +1,25 @@
 # Two entry points on a fresh machine: `make demo` (main job) and `make test` (test suite).
+# `make test-next` tests a second JAX generation (Python 3.12, ci/constraints-next.txt) in
+# its own venv; `.ci/run` runs both, then ci/integration_check.sh.
 PYTHON ?= python3
+# Extra pytest arguments, e.g. `make test PYTEST_ARGS=--durations=20`.
+PYTEST_ARGS ?=
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench-overhead clean
+# Second generation: the JAX that serving stacks pin, on the Python they run.
+PYTHON_NEXT ?= $(shell ci/find-python 3.12 2>/dev/null)
+VENV_NEXT ?= .venv-next
+PY_NEXT := $(VENV_NEXT)/bin/python
+STAMP_NEXT := $(VENV_NEXT)/.installed
+# The core and engine tests (the models, data, studies and multi-host tests run on the
+# primary generation only, to keep CI under 25 minutes on 2 cores).
+NEXT_TESTS := $(wildcard tests/test_core_*.py) tests/test_decision.py tests/test_rejection.py \
+  tests/test_lossless.py tests/test_verify_groups.py $(wildcard tests/test_engine*.py) \
+  tests/test_faults.py tests/test_sharding.py tests/test_profiling.py tests/test_examples.py
+
+.PHONY: demo test test-next bench-overhead clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -12,15 +27,30 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	touch $(STAMP)
 
+$(STAMP_NEXT): pyproject.toml ci/constraints-next.txt
+	@test -n "$(PYTHON_NEXT)" || { echo "test-next: no Python 3.12 found (set PYTHON_NEXT)" >&2; exit 1; }
+	$(PYTHON_NEXT) -m venv $(VENV_NEXT)
+	$(PY_NEXT) -m pip install -q --upgrade pip
+	$(PY_NEXT) -m pip install -q -c ci/constraints-next.txt -e '.[test]'
+	touch $(STAMP_NEXT)
+
 demo: $(STAMP)
 	$(PY) -m av_jax.cli demo
 
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2 --dist worksteal tests
+	$(PY) -m pytest -q -n 2 --dist worksteal $(PYTEST_ARGS) tests
 
+test-next: $(STAMP_NEXT)
+	$(PY_NEXT) -c "import sys, jax, flax; print('test-next: Python', sys.version.split()[0], 'jax', jax.__version__, 'flax', flax.__version__)"
+	$(PY_NEXT) -m pytest -q -n 2 --dist worksteal $(PYTEST_ARGS) $(NEXT_TESTS)
+
+# The bench extra asks for torch>=2.13; installing this build first keeps pip from taking a
+# newer (CUDA, several GB) wheel for the range. Override with TORCH=... elsewhere.
+TORCH ?= torch==2.13.0
 bench-overhead: $(STAMP)
+	$(PY) -m pip install -q '$(TORCH)'
 	$(PY) -m pip install -q -e '.[bench]'
 	$(PY) benchmarks/overhead.py
 
 clean:
-	rm -rf $(VENV) *.egg-info
+	rm -rf $(VENV) $(VENV_NEXT) .venv-integration build *.egg-info

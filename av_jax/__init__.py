@@ -27,6 +27,7 @@ from av_jax.planner import PlannerState
 from av_jax.planner import exact_policy
 from av_jax.planner import is_exact
 from av_jax.planner import make_planner
+from av_jax.profiling import profile_costs
 from av_jax.rejection import RejectionResult
 from av_jax.rejection import rejection_sample
 from av_jax.rejection import rejection_sample_ragged
@@ -68,6 +69,7 @@ __all__ = (
     "metrics",
     "neg_entropy",
     "online_estimator",
+    "profile_costs",
     "rejection_sample",
     "rejection_sample_ragged",
     "sampling_log_probs",

@@ -1,6 +1,7 @@
 """Cost profiling: tables are step functions of the bucket, monotone, cached on disk."""
 
 import numpy as np
+import pytest
 
 from av_jax import engine as E
 from av_jax.engine import profile as prof
@@ -9,7 +10,8 @@ from tests import _engine_fixtures as fx
 
 def test_cost_model_from_profile_is_monotone_step_function():
   profile = dict(buckets=[4, 10, 20], bucket_ms=[2.0, 1.5, 5.0], draft_ms=0.7)
-  cost = prof.cost_model_from_profile(profile, num_slots=4, max_tokens=20)
+  with pytest.warns(UserWarning, match="verify_ms: not monotone"):  # repaired, not silently
+    cost = prof.cost_model_from_profile(profile, num_slots=4, max_tokens=20)
   verify = np.asarray(cost.verify_ms)
   assert verify.shape == (21,)
   np.testing.assert_allclose(verify[:5], 2.0)      # T <= 4 costs the first bucket

@@ -13,25 +13,14 @@ import dataclasses
 import hashlib
 import json
 import os
-import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from av_jax.engine import core
-from av_jax.selection import CostModel, make_cost_model
-
-
-def _median_ms(fn, *args, repeats: int) -> float:
-  jax.block_until_ready(fn(*args))  # compile + warm-up
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append((time.perf_counter() - start) * 1e3)
-  return float(np.median(times))
+from av_jax.profiling import median_ms as _median_ms
+from av_jax.profiling import step_cost_model
+from av_jax.selection import CostModel
 
 
 def measure(engine: core.Engine, params: core.Params, *, repeats: int = 5) -> dict:
@@ -76,15 +65,13 @@ def measure(engine: core.Engine, params: core.Params, *, repeats: int = 5) -> di
 
 
 def cost_model_from_profile(profile: dict, *, num_slots: int, max_tokens: int) -> CostModel:
-  """Step-function, monotone `CostModel` from `measure`'s bucket times."""
-  buckets = np.asarray(profile["buckets"])
-  bucket_ms = np.maximum.accumulate(np.asarray(profile["bucket_ms"], np.float64))
-  t = np.arange(max_tokens + 1)
-  index = np.minimum(np.searchsorted(buckets, t, side="left"), len(buckets) - 1)
-  verify = bucket_ms[index]
-  # The engine drafts for all B slots whatever R is, so drafting cost is flat in R.
-  draft = np.full(num_slots + 1, profile["draft_ms"])
-  return make_cost_model(draft, verify)
+  """Step-function, monotone `CostModel` from `measure`'s bucket times.
+
+  A non-monotone profile is repaired to its running maximum with a `UserWarning`
+  (`av_jax.profiling.step_cost_model`).
+  """
+  return step_cost_model(profile["buckets"], profile["bucket_ms"], profile["draft_ms"],
+                         num_slots=num_slots, max_tokens=max_tokens)
 
 
 # Bumped whenever what `measure` times changes, so older cached profiles are not reused.

@@ -4,11 +4,16 @@ The public API, one name per line (see README.md and docs/).
 """
 
 from av_jax import metrics
+from av_jax.arms import ARMS
+from av_jax.arms import Arm
+from av_jax.arms import parse_arm
+from av_jax.decision import Decider
 from av_jax.decision import Decision
 from av_jax.decision import DecisionState
 from av_jax.decision import decision_step
-from av_jax.decision import init_decision_state
+from av_jax.decision import make_decider
 from av_jax.decision import make_decision
+from av_jax.estimator import EstimatorConfig
 from av_jax.estimator import EstimatorState
 from av_jax.estimator import OnlineEstimator
 from av_jax.estimator import online_estimator
@@ -23,6 +28,7 @@ from av_jax.features import top2_margin
 from av_jax.planner import POLICIES
 from av_jax.planner import Plan
 from av_jax.planner import Planner
+from av_jax.planner import PlannerConfig
 from av_jax.planner import PlannerState
 from av_jax.planner import exact_policy
 from av_jax.planner import is_exact
@@ -40,9 +46,13 @@ from av_jax.selection import survival
 __version__ = "0.1.0"
 
 __all__ = (
+    "ARMS",
+    "Arm",
     "CostModel",
+    "Decider",
     "Decision",
     "DecisionState",
+    "EstimatorConfig",
     "EstimatorState",
     "FEATURES",
     "FEATURE_CLIP",
@@ -51,6 +61,7 @@ __all__ = (
     "POLICIES",
     "Plan",
     "Planner",
+    "PlannerConfig",
     "PlannerState",
     "RejectionResult",
     "allocate",
@@ -58,16 +69,17 @@ __all__ = (
     "decision_step",
     "exact_policy",
     "get_feature",
-    "init_decision_state",
     "is_exact",
     "linear_cost_model",
     "logit_qmax",
     "make_cost_model",
+    "make_decider",
     "make_decision",
     "make_planner",
     "metrics",
     "neg_entropy",
     "online_estimator",
+    "parse_arm",
     "rejection_sample",
     "rejection_sample_ragged",
     "sampling_log_probs",

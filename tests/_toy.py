@@ -105,10 +105,10 @@ def _plan_all(log_q, slope, intercepts, cost, pstate, *, policy, explore_every):
   estate = est.init()._replace(slope=jnp.asarray(slope, jnp.float32),
                                intercepts=jnp.asarray(intercepts, jnp.float32))
   probs = est.predict(estate, av_jax.logit_qmax(log_q))                # [N, K]
-  planner = av_jax.make_planner(cost, policy=policy, explore_every=explore_every)
+  planner = av_jax.make_planner(policy=policy, explore_every=explore_every)
 
   def one(p):
-    plan, new_state = planner.plan(pstate, p[None, :])                 # batch of one
+    plan, new_state = planner.plan(pstate, p[None, :], cost)           # batch of one
     return plan.num_verified[0], new_state, plan.budget
 
   return jax.vmap(one)(probs)
@@ -188,7 +188,7 @@ def emitted_law(toy: Toy, num_tokens: int, *, policy: str, pstate=None, explore_
   `pstate` is the planner state at the first step (default: `init()` of the planner).
   """
   if pstate is None:
-    pstate = av_jax.make_planner(toy.cost, policy=policy).init()
+    pstate = av_jax.make_planner(policy=policy).init()
   memo = {} if _memo is None else _memo
   key = (context, num_tokens, int(pstate.budget), int(pstate.step))
   if key in memo:

@@ -59,6 +59,42 @@ class DrafterState(NamedTuple):
   position: jax.Array     # [B] int32 sequence position of tokens[:, 0]
 
 
+def _set_row(batched: jax.Array, single: jax.Array, slot: jax.Array, axis: int) -> jax.Array:
+  start = [0] * batched.ndim
+  start[axis] = slot
+  return jax.lax.dynamic_update_slice(batched, single.astype(batched.dtype), start)
+
+
+def insert_slot(batched: DrafterState, single: DrafterState, slot: jax.Array) -> DrafterState:
+  """`batched` with slot `slot` replaced by the one-slot state `single` (prefill).
+
+  Caches have the slot on axis 1 (`[L, B, M, H, Dh]`), every other field on axis 0.
+  """
+  fields = {}
+  for name in DrafterState._fields:
+    b, s = getattr(batched, name), getattr(single, name)
+    if b is None:
+      fields[name] = None
+    elif isinstance(b, transformer.KVCache):
+      fields[name] = transformer.KVCache(*(_set_row(x, y, slot, 1) for x, y in zip(b, s)))
+    else:
+      fields[name] = _set_row(b, s, slot, 0)
+  return DrafterState(**fields)
+
+
+def keep_inactive(new: DrafterState, old: DrafterState, active: jax.Array) -> DrafterState:
+  """`new` for the `active [B]` slots, `old` for the others, in every per-slot field.
+
+  The cache is taken from `new` whole: entries above a slot's consumed prefix are never
+  read (see the module docstring), so an inactive slot's cache needs no merge.
+  """
+  def keep(n, o):
+    return jnp.where(active.reshape(active.shape + (1,) * (n.ndim - 1)), n, o)
+  return DrafterState(**{name: getattr(new, name) if name == "cache"
+                         else keep(getattr(new, name), getattr(old, name))
+                         for name in DrafterState._fields})
+
+
 class DraftOutput(NamedTuple):
   """What `draft` returns."""
   logits: jax.Array               # [B, K, V] float32 raw draft logits (q = sampling(logits))

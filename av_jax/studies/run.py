@@ -173,30 +173,29 @@ def study_throughput(pairs, s: Settings, log, progress: bool) -> list[dict]:
 
 def study_overhead(s: Settings, pair, throughput_rows, log) -> dict:
   """Study 6: the decision microbenchmark and its share of an AV decode step."""
-  from av_jax import online_estimator
-  from av_jax.decision import make_decision
-  from av_jax.planner import make_planner
+  from av_jax.decision import make_decider, make_decision
+  from av_jax.estimator import EstimatorConfig
   from av_jax.selection import linear_cost_model
   B, K = max(s.concurrencies), s.k
   V = pair.cfg.target.vocab_size
-  est = online_estimator(K, refit_interval=s.refit_interval)
-  planner = make_planner(linear_cost_model(B, B * (K + 1), verify_fixed=1.0,
-                                           verify_per_token=0.02), policy="lagged")
+  cost = linear_cost_model(B, B * (K + 1), verify_fixed=1.0, verify_per_token=0.02)
+  decider = make_decider(K, policy="lagged",
+                         estimator=EstimatorConfig(refit_interval=s.refit_interval))
   # The engine scores the already top-p-filtered log-probs it samples from, so the
   # decision's feature pass runs with top_p=1 on them (no extra nucleus pass).
-  decide = make_decision(est, planner, temperature=1.0, top_p=1.0)
+  decide = make_decision(decider, temperature=1.0, top_p=1.0)
 
   def median_ms(vocab: int) -> tuple[float, list[float]]:
     logits = jax.random.normal(jax.random.PRNGKey(0), (B, K, vocab)) * 3.0
     state = decide.init(B)
     acc, lab, act = np.zeros((B, K), bool), np.zeros((B, K), bool), np.ones((B,), bool)
     for _ in range(3):
-      plan, state = decide.step(state, logits, acc, lab, act)
+      plan, state = decide.step(state, logits, acc, lab, act, cost)
     jax.block_until_ready(plan)
     times = []
     for _ in range(s.overhead_repeats):
       start = time.perf_counter()
-      plan, state = decide.step(state, logits, acc, lab, act)
+      plan, state = decide.step(state, logits, acc, lab, act, cost)
       jax.block_until_ready(plan)
       times.append((time.perf_counter() - start) * 1e3)
     return float(np.median(times)), times

@@ -88,7 +88,7 @@ def cmd_generate(args) -> None:
   s = result.stats
   print(f"\n--- {len(c.tokens)} tokens in {elapsed:.2f} s ({len(c.tokens) / elapsed:.1f} tok/s), "
         f"{s['steps']} steps, {s['emitted'] / max(s['steps'], 1):.2f} tokens/step, "
-        f"verified {s['verified']} of {s['drafted']} drafts, finish={c.finish_reason}",
+        f"verified {s['verified']} of {s['draft_tokens']} drafts, finish={c.finish_reason}",
         file=sys.stderr)
 
 

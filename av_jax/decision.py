@@ -130,7 +130,7 @@ class Decider(NamedTuple):
       features: `[B, K]` features of the drafts the labels belong to.
       accepted: `[B, K]` bool, verification outcome per position.
       labeled: `[B, K]` bool, which of `accepted` are labels (accepted positions and the
-        first rejected one; docs/algorithm.md, "Labels").
+        first rejected one; docs/algorithm.md section 6).
       axis_name: mesh axis over which data-parallel replicas sum the round's statistics.
     """
     return state._replace(estimator=self.estimator.update(
@@ -201,7 +201,7 @@ def decision_step(
     logits: `[B, K, V]` draft logits of this step (before temperature / top-p).
     accepted: `[B, K]` bool, previous step's verification outcome per position.
     labeled: `[B, K]` bool, which of `accepted` are labels (accepted positions and the
-      first rejected one, docs/algorithm.md "Labels"; all False at the first step).
+      first rejected one, docs/algorithm.md section 6; all False at the first step).
     active: `[B]` bool, slots that are sampling this step.
     cost: the step-cost tables (`av_jax.make_cost_model`).
     decider: the verbs (`make_decider`).
@@ -216,7 +216,8 @@ def decision_step(
     `(plan, new_state)`: `plan.num_verified [B]` int32 and `plan.mask [B, K]` bool say
     what to verify; `new_state.features` holds this step's features for the next update.
 
-  Reference: docs/algorithm.md, "Features", "Budget and allocation" and "Estimator".
+  Reference: docs/algorithm.md, sections 2 (feature), 4 (budget, allocation) and 7
+  (estimator).
 
   Example:
     >>> decider = make_decider(K, policy="current")

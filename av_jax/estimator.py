@@ -5,14 +5,14 @@
 One slope shared by the K positions, one intercept per position (K + 1 parameters).
 Coefficients stay fixed during a round of `refit_interval` updates; each update adds the
 labelled drafts' gradient and Hessian of the negative log-likelihood at the current
-coefficients; the round ends with one damped Newton step (spec section 7).
+coefficients; the round ends with one damped Newton step (docs/algorithm.md section 7).
 
 The Hessian is an arrowhead matrix: a dense slope row/column and a diagonal intercept
 block, because every label touches the slope and exactly one intercept. It is stored as
 three parts (`hess_slope []`, `hess_cross [K]`, `hess_diag [K]`) and solved in O(K) by the
 Schur complement of the diagonal block, so memory is O(K) however many labels arrive.
 
-Robustness (spec section 7 failure modes): entries whose feature is not finite are never
+Robustness (docs/algorithm.md section 7 failure modes): entries whose feature is not finite are never
 labelled; positions without labels get a zero step (never NaN); each step is capped at
 `max_step` per coefficient (a trust region, so a saturated start climbs instead of
 overshooting); coefficients are clamped

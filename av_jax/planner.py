@@ -1,13 +1,13 @@
 """Verification planner: acceptance probabilities -> `num_verified [B]`, losslessly.
 
 The planner composes `survival`, `choose_budget` and `allocate` under an explicit policy
-that decides where the budget comes from (spec section 5):
+that decides where the budget comes from (docs/algorithm.md section 5):
 
 * ``"current"``: the budget is computed from this step's survivals. Exact for parallel
   (block) drafters and for greedy drafting, whose K distributions do not depend on this
   step's draws. BIASED for autoregressive drafters with probabilistic drafting: q[b, i+1]
   depends on the drawn x[b, i], so the budget, and with it the decision to verify
-  x[b, i], would depend on x[b, i] (the spec's counterexample).
+  x[b, i], would depend on x[b, i] (the counterexample of docs/algorithm.md section 5).
 * ``"lagged"``: the budget used at step t was computed from step t-1's survivals (as
   vLLM does). It depends on nothing drawn at step t, and allocation with a fixed budget
   is safe (whether (b, i) is chosen never depends on b's deeper positions), so it is
@@ -83,8 +83,8 @@ class Planner(NamedTuple):
 
 
 def exact_policy(*, drafter_kind: str, greedy: bool) -> str:
-  """The exact budget policy for a drafting style and temperature (docs/algorithm.md,
-  "Exactness")."""
+  """The exact budget policy for a drafting style and temperature (docs/algorithm.md
+  section 5)."""
   if drafter_kind not in DRAFTER_KINDS:
     raise ValueError(f"drafter_kind: expected one of {DRAFTER_KINDS}, got {drafter_kind!r}")
   return "current" if (drafter_kind == "parallel" or greedy) else "lagged"

@@ -1,4 +1,4 @@
-"""Survival ranking, the throughput-optimal budget, and allocation (spec section 4).
+"""Survival ranking, the throughput-optimal budget, and allocation (docs/algorithm.md section 4).
 
 `survival` turns per-token acceptance probabilities into the probability that a draft
 position is reached and accepted. `choose_budget` picks how many draft tokens the whole
@@ -193,7 +193,7 @@ def choose_budget(survival: jax.typing.ArrayLike, cost: CostModel, *,
 
   With R active requests and their survivals sorted descending s_(1) >= ... >= s_(M):
   `budget = argmax_n (R + s_(1) + ... + s_(n)) / (draft_ms[R] + verify_ms[R + n])`,
-  n = 0..M (spec section 4); ties go to the smaller n. Values of n whose token count
+  n = 0..M (docs/algorithm.md section 4); ties go to the smaller n. Values of n whose token count
   R + n lies beyond `verify_ms` are never chosen; R beyond `draft_ms` uses its last
   entry. With no active request the budget is 0.
 

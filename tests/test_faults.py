@@ -452,7 +452,7 @@ def _soak_fn():
     probs = est.predict(state.estimator, state.features)  # what the planner was served
     true_probs = jax.nn.sigmoid(true[0] * state.features + true[1:])
     ok = jax.random.uniform(k_accept, (Bs, Ks)) < true_probs
-    # Labels (spec section 6): verified positions up to and including the first rejection.
+    # Labels (docs/algorithm.md section 6): verified positions up to and including the first rejection.
     verified = jnp.arange(Ks)[None] < plan.num_verified[:, None]
     reached = jnp.cumprod(jnp.concatenate([jnp.ones((Bs, 1), bool), ok[:, :-1]], 1), 1)
     labeled = verified & reached.astype(bool)

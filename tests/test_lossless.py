@@ -1,4 +1,4 @@
-"""Losslessness end to end (spec section 5): exact enumeration and a large-sample check.
+"""Losslessness end to end (docs/algorithm.md section 5): exact enumeration and a large-sample check.
 
 The exact tests enumerate every draft and verification outcome of tiny toys (tests/_toy.py)
 in float64, with the number of verified tokens decided by the real av_jax features,
@@ -213,7 +213,7 @@ def test_engine_path_first_token_frequency(policy, p_a):
 
 
 # ----------------------------------------------------------------------------------------
-# Exploration rescues a pessimistic estimator (spec section 7, failure modes).
+# Exploration rescues a pessimistic estimator (docs/algorithm.md section 7, failure modes).
 
 
 @functools.partial(jax.jit, static_argnames=("explore_every", "num_steps"))

@@ -245,7 +245,7 @@ def generate(engine: core.Engine, params: core.Params, prompts: Sequence[Sequenc
 
   s = distributed.fetch(state.stats)
   stats = dict(steps=int(s.steps), emitted=int(s.emitted), verified=int(s.verified),
-               drafted=int(s.drafted), nonfinite=int(s.nonfinite),
+               draft_tokens=int(s.draft_tokens), nonfinite=int(s.nonfinite),
                accepted=int(s.accepted_at.sum()), labeled=int(s.labeled_at.sum()),
                acceptance_at=(s.accepted_at / np.maximum(s.labeled_at, 1)).tolist(),
                bucket_hist=s.bucket_hist.tolist())

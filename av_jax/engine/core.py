@@ -38,7 +38,6 @@ from av_jax.planner import Plan, PlannerConfig, PlannerState
 from av_jax.rejection import RejectionResult, rejection_sample
 from av_jax.selection import CostModel, linear_cost_model
 
-MODES = tuple(ARMS)  # the engine's arms (`av_jax.arms.ARMS`)
 # Features recorded per draft token when `EngineConfig.record_features` is on (studies):
 # every registered feature, lossless and lossy, in this order along StepInfo.extra's last axis.
 RECORDED_FEATURES = tuple(FEATURES)
@@ -50,7 +49,7 @@ class EngineConfig:
   num_slots: int = 8             # B, concurrent request slots
   max_draft: int = 8             # K, maximum draft length
   max_len: int = 512             # M, cache positions per slot (prompt + output + K + 1)
-  mode: str = "av"               # one of MODES
+  mode: str = "av"               # the arm, one of `av_jax.arms.ARMS`
   temperature: float = 1.0       # sampling temperature of draft and target; 0 = greedy
   top_p: float = 1.0             # nucleus mass of draft and target sampling
   policy: str | None = None      # planner budget policy; None = the exact one for the drafter
@@ -74,8 +73,8 @@ class EngineConfig:
                                     # `generate(mesh=...)` the 'data' size
 
   def __post_init__(self):
-    if self.mode not in MODES:
-      raise ValueError(f"mode: expected one of {MODES}, got {self.mode!r}")
+    if self.mode not in ARMS:
+      raise ValueError(f"mode: expected one of {tuple(ARMS)}, got {self.mode!r}")
     if self.num_slots < 1 or self.max_draft < 1:
       raise ValueError(f"num_slots and max_draft: expected >= 1, got "
                        f"{self.num_slots}, {self.max_draft}")
@@ -153,7 +152,7 @@ class EngineStats(NamedTuple):
   steps: jax.Array            # [] int32, decode steps run
   emitted: jax.Array          # [] int32, tokens emitted (after stops)
   verified: jax.Array         # [] int32, draft tokens verified
-  drafted: jax.Array          # [] int32, draft tokens proposed for active slots
+  draft_tokens: jax.Array     # [] int32, K per active slot-step (draft tokens proposed)
   accepted_at: jax.Array      # [K] int32, accepted drafts per position
   labeled_at: jax.Array       # [K] int32, labelled drafts per position
   bucket_hist: jax.Array      # [num_buckets] int32, steps per bucket
@@ -195,7 +194,7 @@ class StepInfo(NamedTuple):
   labeled: jax.Array       # [B, K] bool
   slot_active: jax.Array   # [B] bool
   extra: jax.Array         # [B, K, F] float32, RECORDED_FEATURES (F = 0 unless recording)
-  drafted: jax.Array       # [] bool, the step drafted (False: target-only step)
+  drafting: jax.Array      # [] bool, the step drafted (False: target-only step)
   num_verified: jax.Array  # [B] int32, drafts each slot fed to the target (the plan)
 
 
@@ -234,13 +233,13 @@ def make_engine(config: EngineConfig, models: ModelsConfig, drafter: Drafter) ->
   if arm.head and drafter.kind != "block_head":
     raise ValueError(f"mode: 'av_head' needs a drafter with a confidence head, got "
                      f"{drafter.kind!r}")
-  policy = policy_for(ARMS["av"], drafting=drafter.mode, greedy=config.greedy,
+  policy = policy_for(ARMS["av"], drafting=drafter.drafting, greedy=config.greedy,
                       requested=config.policy)
   # Only parallel drafters may skip drafting: they keep no cache that a skipped step
   # would leave behind.
-  gated = config.skip_unprofitable_drafts and drafter.mode == "parallel"
+  gated = config.skip_unprofitable_drafts and drafter.drafting == "parallel"
   decider = make_decider(
-      config.max_draft, policy=policy_for(arm, drafting=drafter.mode, greedy=config.greedy,
+      config.max_draft, policy=policy_for(arm, drafting=drafter.drafting, greedy=config.greedy,
                                           requested=policy),
       head=arm.head, estimator=config.estimator_config(),
       planner=config.planner_config(skip_unprofitable_drafts=gated and arm.adaptive))
@@ -258,7 +257,7 @@ def default_cost(cfg: EngineConfig) -> CostModel:
 def _empty_stats(cfg: EngineConfig) -> EngineStats:
   zero = jnp.zeros((), jnp.int32)
   zk = jnp.zeros((cfg.max_draft,), jnp.int32)
-  return EngineStats(steps=zero, emitted=zero, verified=zero, drafted=zero, accepted_at=zk,
+  return EngineStats(steps=zero, emitted=zero, verified=zero, draft_tokens=zero, accepted_at=zk,
                      labeled_at=zk, nonfinite=zero,
                      bucket_hist=jnp.zeros((len(cfg.bucket_sizes()),), jnp.int32))
 
@@ -633,7 +632,7 @@ def _count(engine: Engine, stats: EngineStats, *, state: DecodeState, drafts: Dr
       steps=stats.steps + 1,
       emitted=stats.emitted + jnp.sum(stops.num_kept),
       verified=stats.verified + jnp.sum(verified),
-      drafted=stats.drafted + K * jnp.sum(active),
+      draft_tokens=stats.draft_tokens + K * jnp.sum(active),
       accepted_at=stats.accepted_at + jnp.sum(accepted & labeled, 0, dtype=jnp.int32),
       labeled_at=stats.labeled_at + jnp.sum(labeled, 0, dtype=jnp.int32),
       bucket_hist=stats.bucket_hist.at[verdict.bucket].add(1),
@@ -683,7 +682,7 @@ def step(engine: Engine, params: Params, state: DecodeState) -> tuple[DecodeStat
                   emitted=jnp.sum(stops.num_kept), bucket=verdict.bucket,
                   active=jnp.sum(active, dtype=jnp.int32), features=drafts.features,
                   probs=probs, conf=drafts.conf, accepted=result.accepted, labeled=labeled,
-                  slot_active=active, extra=drafts.extra, drafted=drafting,
+                  slot_active=active, extra=drafts.extra, drafting=drafting,
                   num_verified=plan.num_verified)
   return new_state, info
 

@@ -92,7 +92,7 @@ def main(args) -> None:
   start = time.perf_counter()
   pair = M.load(args.models, drafter=args.drafter)
   modes = ["target_only", "fixed", "av"] + (["av_head"] if args.drafter == "block_head" else [])
-  print(f"av_jax demo: models={args.models} drafter={args.drafter} ({pair.drafter.mode}) "
+  print(f"av_jax demo: models={args.models} drafter={args.drafter} ({pair.drafter.drafting}) "
         f"workload={args.workload} B={args.slots} K={args.k} T={args.temperature} "
         f"top_p={args.top_p} requests={args.requests} x {args.max_new} tokens, "
         f"device={jax.devices()[0].device_kind}")

@@ -20,7 +20,7 @@ class ModelPair(NamedTuple):
   cfg: ModelsConfig         # the full config the checkpoints were trained under
   tokenizer: Tokenizer      # the model set's tokenizer
   target_params: Any        # target parameter pytree (float32)
-  drafter: Drafter | None   # drafter functions + kind/mode metadata (None if not requested)
+  drafter: Drafter | None   # drafter functions + kind/drafting metadata (None if not requested)
   drafter_params: Any       # drafter parameter pytree (None if not requested)
 
 
@@ -50,7 +50,7 @@ def load(name: str = "default", drafter: str | None = None, *,
 
   Example:
     >>> pair = load("default", drafter="eagle")
-    >>> pair.drafter.mode
+    >>> pair.drafter.drafting
     'autoregressive'
   """
   directory = directory or checkpoint.assets_dir()

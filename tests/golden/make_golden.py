@@ -158,8 +158,9 @@ def run_default() -> dict:
               **_record(engine, params, cost=None, seed=0, prompts=prompts, max_new=[9, 6]))
 
 
-# Names changed since the golden files were recorded: {recorded name: current name}.
-RENAMED: dict[str, str] = {}
+# Fields renamed since the golden files were recorded: {recorded path: current name}.
+RENAMED: dict[str, str] = {"/stats/drafted": "draft_tokens",   # EngineStats.draft_tokens
+                           "/steps/drafted": "drafting"}       # StepInfo.drafting
 
 
 def differences(want, got, where: str = "") -> list[str]:
@@ -172,7 +173,7 @@ def differences(want, got, where: str = "") -> list[str]:
       return [f"{where}: expected a mapping, got {type(got).__name__}"]
     out = []
     for key, value in want.items():
-      name = RENAMED.get(key, key)
+      name = RENAMED.get(f"{where}/{key}", key)
       if name not in got:
         out.append(f"{where}/{key}: missing")
       else:

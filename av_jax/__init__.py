@@ -23,7 +23,6 @@ from av_jax.features import Feature
 from av_jax.features import get_feature
 from av_jax.features import logit_qmax
 from av_jax.features import neg_entropy
-from av_jax.features import sampling_log_probs
 from av_jax.features import top2_margin
 from av_jax.planner import POLICIES
 from av_jax.planner import Plan
@@ -33,6 +32,8 @@ from av_jax.planner import PlannerState
 from av_jax.planner import exact_policy
 from av_jax.planner import is_exact
 from av_jax.planner import make_planner
+from av_jax.sampling import Sampling
+from av_jax.sampling import sampling_log_probs
 from av_jax.rejection import RejectionResult
 from av_jax.rejection import rejection_sample
 from av_jax.rejection import rejection_sample_ragged
@@ -64,6 +65,7 @@ __all__ = (
     "PlannerConfig",
     "PlannerState",
     "RejectionResult",
+    "Sampling",
     "allocate",
     "choose_budget",
     "decision_step",

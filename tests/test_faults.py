@@ -112,10 +112,7 @@ def _verify_all_cost() -> av_jax.CostModel:
 
 
 def _estimator(config: E.EngineConfig):
-  return av_jax.online_estimator(config.max_draft, refit_interval=config.refit_interval,
-                                 damping=config.damping, l2=config.l2,
-                                 init_slope=config.init_slope,
-                                 init_intercept=config.init_intercept)
+  return av_jax.online_estimator(config.max_draft, config.estimator)
 
 
 def _want(prompts, max_new):

@@ -8,6 +8,8 @@ engine's scores, plans and estimator, step by step; and `decision_step` is the v
 composed (~25 s).
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -36,15 +38,15 @@ def test_engine_holds_the_decider_the_benchmark_times():
   config = engine.config
   cost = E.default_cost(config)
   # An autoregressive drafter never skips drafting (no gate), sampled drafts: lagged.
-  planner = config.planner_config(skip_unprofitable_drafts=False)
+  planner = dataclasses.replace(config.planner, skip_unprofitable_drafts=False)
   bench = DecisionConfig(num_positions=config.max_draft, draft_ms=tuple(cost.draft_ms.tolist()),
                          verify_ms=tuple(cost.verify_ms.tolist()), policy="lagged",
-                         estimator=config.estimator_config(), planner=planner)
+                         estimator=config.estimator, planner=planner)
   assert engine.decider is bench.decider()
   assert bench.jax_decision().decider is engine.decider
   # Other settings, another decider.
   other = DecisionConfig(num_positions=config.max_draft, draft_ms=(1.0,), verify_ms=(1.0,),
-                         policy="current", estimator=config.estimator_config(),
+                         policy="current", estimator=config.estimator,
                          planner=planner)
   assert other.decider() is not engine.decider
 

@@ -3,7 +3,6 @@
 import os
 import re
 
-import jax
 import numpy as np
 
 README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")

@@ -29,13 +29,14 @@ import numpy as np
 from av_jax.arms import ARMS, Arm, get_arm, policy_for
 from av_jax.decision import Decider, DecisionState, make_decider
 from av_jax.estimator import EstimatorConfig, EstimatorState
-from av_jax.features import FEATURES, logit_qmax, sampling_log_probs
+from av_jax.features import FEATURES, logit_qmax
 from av_jax.models import transformer
 from av_jax.models.config import ModelsConfig
 from av_jax.models.drafters import Drafter, DrafterState, insert_slot, keep_inactive
 from av_jax.models.sampling import sample_tokens, sampling_probs
-from av_jax.planner import Plan, PlannerConfig, PlannerState
+from av_jax.planner import PlannerConfig, PlannerState
 from av_jax.rejection import RejectionResult, rejection_sample
+from av_jax.sampling import Sampling, sampling_log_probs
 from av_jax.selection import CostModel, linear_cost_model
 
 # Features recorded per draft token when `EngineConfig.record_features` is on (studies):
@@ -43,34 +44,68 @@ from av_jax.selection import CostModel, linear_cost_model
 RECORDED_FEATURES = tuple(FEATURES)
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
+# The flat keyword arguments `EngineConfig` still takes (and reads back as properties):
+# {name: (group, field)}, e.g. `EngineConfig(temperature=0.0)` sets `sampling.temperature`.
+_FLAT = {
+    "temperature": ("sampling", "temperature"),
+    "top_p": ("sampling", "top_p"),
+    "refit_interval": ("estimator", "refit_interval"),
+    "damping": ("estimator", "damping"),
+    "l2": ("estimator", "l2"),
+    "init_slope": ("estimator", "init_slope"),
+    "init_intercept": ("estimator", "init_intercept"),
+    "explore_every": ("planner", "explore_every"),
+    "skip_unprofitable_drafts": ("planner", "skip_unprofitable_drafts"),
+    "draft_recheck_every": ("planner", "recheck_every"),
+}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, init=False)
 class EngineConfig:
-  """Static engine settings (one compiled program set per config)."""
+  """Static engine settings (one compiled program set per config).
+
+  The engine's own shape settings, plus the sampling, estimator and planner settings as
+  nested configs. The flat names of `_FLAT` are accepted as keyword arguments and read
+  back as properties (`EngineConfig(temperature=0.0).temperature`), so
+  `dataclasses.replace(config, temperature=0.0)` works too.
+  """
   num_slots: int = 8             # B, concurrent request slots
   max_draft: int = 8             # K, maximum draft length
   max_len: int = 512             # M, cache positions per slot (prompt + output + K + 1)
   mode: str = "av"               # the arm, one of `av_jax.arms.ARMS`
-  temperature: float = 1.0       # sampling temperature of draft and target; 0 = greedy
-  top_p: float = 1.0             # nucleus mass of draft and target sampling
   policy: str | None = None      # planner budget policy; None = the exact one for the drafter
   num_buckets: int = 4           # static packed-token sizes between B and B*(K+1)
   buckets: tuple[int, ...] | None = None  # explicit bucket sizes (override num_buckets)
-  refit_interval: int = 100      # estimator round length N (steps)
-  damping: float = 50.0          # estimator evidence damping c
-  l2: float = 1e-3               # estimator ridge
-  init_slope: float = 0.5        # estimator starting slope
-  init_intercept: float = 1.5    # estimator starting intercepts
-  explore_every: int = 4         # one slot verifies all K every this many steps
   eos_id: int = -1               # end-of-sequence token (-1: none)
   steps_per_chunk: int = 16      # decode steps per `run_chunk` (host sync granularity)
   record_features: bool = False  # StepInfo.extra holds every RECORDED_FEATURES (studies)
-  skip_unprofitable_drafts: bool = True  # AV, parallel drafters: no drafting while it
-                                         # does not pay (re-checked every
-  draft_recheck_every: int | None = None  # this many steps; None: 4 x explore_every)
   verify_groups: int | None = None  # G, verification packs G contiguous groups of B/G slots
                                     # separately (data-parallel when G is a multiple of the
                                     # mesh's 'data' size); None: 1, or under
                                     # `generate(mesh=...)` the 'data' size
+  sampling: Sampling = Sampling()  # temperature (0: greedy) and top-p of draft and target
+  estimator: EstimatorConfig = EstimatorConfig()  # the online estimator's settings
+  # The planner's settings. `skip_unprofitable_drafts`: AV with a parallel drafter does
+  # not draft while it does not pay, re-checking every `recheck_every` steps (None: 4 x
+  # explore_every); other arms and drafters ignore it.
+  planner: PlannerConfig = PlannerConfig(skip_unprofitable_drafts=True)
+
+  def __init__(self, **settings):
+    groups: dict[str, dict] = {}
+    for name, (group, field) in _FLAT.items():
+      if name in settings:
+        groups.setdefault(group, {})[field] = settings.pop(name)
+    fields = {f.name: f for f in dataclasses.fields(self)}
+    for group, values in groups.items():
+      base = settings.get(group, fields[group].default)
+      settings[group] = dataclasses.replace(base, **values)
+    unknown = sorted(set(settings) - set(fields))
+    if unknown:
+      raise TypeError(f"EngineConfig: unexpected settings {unknown}; expected fields "
+                      f"{sorted(fields)} or flat names {sorted(_FLAT)}")
+    for name, f in fields.items():
+      object.__setattr__(self, name, settings.get(name, f.default))
+    self.__post_init__()
 
   def __post_init__(self):
     if self.mode not in ARMS:
@@ -80,8 +115,11 @@ class EngineConfig:
                        f"{self.num_slots}, {self.max_draft}")
     if self.max_len < self.max_draft + 3:
       raise ValueError(f"max_len: expected >= max_draft + 3, got {self.max_len}")
-    if not 0.0 < self.top_p <= 1.0:
-      raise ValueError(f"top_p: expected a value in (0, 1], got {self.top_p}")
+    for group, kind in (("sampling", Sampling), ("estimator", EstimatorConfig),
+                        ("planner", PlannerConfig)):
+      if not isinstance(getattr(self, group), kind):
+        raise ValueError(f"{group}: expected a {kind.__name__}, got "
+                         f"{getattr(self, group)!r}")
     if self.verify_groups is not None:
       if (isinstance(self.verify_groups, bool)
           or not isinstance(self.verify_groups, (int, np.integer))):
@@ -96,19 +134,7 @@ class EngineConfig:
 
   @property
   def greedy(self) -> bool:
-    return self.temperature <= 0
-
-  def estimator_config(self) -> EstimatorConfig:
-    """The estimator's hyper-parameters."""
-    return EstimatorConfig(refit_interval=self.refit_interval, damping=self.damping,
-                           l2=self.l2, init_slope=self.init_slope,
-                           init_intercept=self.init_intercept)
-
-  def planner_config(self, **overrides) -> PlannerConfig:
-    """The planner's hyper-parameters (`overrides` replace fields)."""
-    fields = dict(explore_every=self.explore_every, recheck_every=self.draft_recheck_every,
-                  skip_unprofitable_drafts=self.skip_unprofitable_drafts)
-    return PlannerConfig(**{**fields, **overrides})
+    return self.sampling.greedy
 
   @property
   def groups(self) -> int:
@@ -217,6 +243,15 @@ class Engine(NamedTuple):
     return self.config.bucket_sizes()
 
 
+def _flat_property(group: str, field: str) -> property:
+  return property(lambda self: getattr(getattr(self, group), field),
+                  doc=f"`{group}.{field}` (flat name kept for callers)")
+
+
+for _name, (_group, _field) in _FLAT.items():
+  setattr(EngineConfig, _name, _flat_property(_group, _field))
+
+
 def make_engine(config: EngineConfig, models: ModelsConfig, drafter: Drafter) -> Engine:
   """Binds an engine config to a model set and a drafter; picks the exact policy.
 
@@ -237,12 +272,13 @@ def make_engine(config: EngineConfig, models: ModelsConfig, drafter: Drafter) ->
                       requested=config.policy)
   # Only parallel drafters may skip drafting: they keep no cache that a skipped step
   # would leave behind.
-  gated = config.skip_unprofitable_drafts and drafter.drafting == "parallel"
+  gated = config.planner.skip_unprofitable_drafts and drafter.drafting == "parallel"
   decider = make_decider(
       config.max_draft, policy=policy_for(arm, drafting=drafter.drafting, greedy=config.greedy,
                                           requested=policy),
-      head=arm.head, estimator=config.estimator_config(),
-      planner=config.planner_config(skip_unprofitable_drafts=gated and arm.adaptive))
+      head=arm.head, estimator=config.estimator,
+      planner=dataclasses.replace(config.planner,
+                                  skip_unprofitable_drafts=gated and arm.adaptive))
   return Engine(config=config, models=models, drafter=drafter, policy=policy, arm=arm,
                 decider=decider)
 
@@ -324,7 +360,7 @@ def prefill(engine: Engine, params: Params, state: DecodeState, *, prompt: jax.A
                             valid=valid)
   key, k_first = jax.random.split(state.key)
   last_logits = out.logits[0, prompt_len - 1]
-  first = sample_tokens(k_first, last_logits, temperature=cfg.temperature, top_p=cfg.top_p)
+  first = sample_tokens(k_first, last_logits, temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p)
   dstate = engine.drafter.init_state(
       params.drafter, params.target, prompt=prompt[None], prompt_hidden=out.hidden,
       next_token=first[None], K=cfg.max_draft, max_len=cfg.max_len,
@@ -381,7 +417,7 @@ def verify_forward(engine: Engine, target_params, cache: transformer.KVCache, *,
   def one(cache, tokens, slot, positions, valid):
     out = transformer.forward_packed(target_params, tokens, slot=slot, positions=positions,
                                      valid=valid, cache=cache, cfg=engine.models.target)
-    probs = sampling_probs(out.logits, temperature=cfg.temperature, top_p=cfg.top_p)
+    probs = sampling_probs(out.logits, temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p)
     return probs, out.hidden, out.cache
 
   if tokens.shape[0] == 1:  # one group: the plain packed program, no batch axis
@@ -470,7 +506,7 @@ def _draft(engine: Engine, params: Params, state: DecodeState,
   cfg = engine.config
   B, K = cfg.num_slots, cfg.max_draft
   draft = engine.drafter.draft(params.drafter, params.target, state.drafter, key, K=K,
-                               temperature=cfg.temperature, top_p=cfg.top_p)
+                               temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p)
   # A fault is a NaN or +inf logit, or a position with every token banned; -inf entries
   # alone are banned tokens, a valid distribution.
   logits = draft.logits
@@ -487,7 +523,7 @@ def _draft(engine: Engine, params: Params, state: DecodeState,
     uniform = -jnp.log(jnp.float32(draft_logits.shape[-1]))  # unverified slots only
     log_probs = jnp.where(finite[:, None, None], draft.log_probs, uniform)
   else:
-    log_probs = sampling_log_probs(draft_logits, temperature=cfg.temperature, top_p=cfg.top_p)
+    log_probs = sampling_log_probs(draft_logits, temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p)
   if cfg.greedy:  # greedy drafting: q is the point mass on the arg-max
     probs = jax.nn.one_hot(jnp.argmax(draft_logits, -1), draft_logits.shape[-1])
   else:

@@ -6,6 +6,7 @@ import json
 import os
 from typing import Any, NamedTuple
 
+import jax
 import jax.numpy as jnp
 
 from av_jax.data.tokenizer import Tokenizer, from_json
@@ -83,7 +84,6 @@ def load(name: str = "default", drafter: str | None = None, *,
 
 
 def _to_jnp(tree):
-  import jax  # pylint: disable=g-import-not-at-top
   return jax.tree.map(jnp.asarray, tree)
 
 

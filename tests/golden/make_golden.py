@@ -163,6 +163,13 @@ RENAMED: dict[str, str] = {"/stats/drafted": "draft_tokens",   # EngineStats.dra
                            "/steps/drafted": "drafting"}       # StepInfo.drafting
 
 
+def renamed(record, where: str = ""):
+  """A recorded case under the current names (what a fresh run of it returns)."""
+  if not isinstance(record, dict):
+    return record
+  return {RENAMED.get(f"{where}/{k}", k): renamed(v, f"{where}/{k}") for k, v in record.items()}
+
+
 def differences(want, got, where: str = "") -> list[str]:
   """Where `got` differs from the recorded `want`, bit for bit (JSON round trip).
 

@@ -4,11 +4,16 @@ The public API, one name per line (see README.md and docs/).
 """
 
 from av_jax import metrics
+from av_jax.arms import ARMS
+from av_jax.arms import Arm
+from av_jax.arms import parse_arm
+from av_jax.decision import Decider
 from av_jax.decision import Decision
 from av_jax.decision import DecisionState
 from av_jax.decision import decision_step
-from av_jax.decision import init_decision_state
+from av_jax.decision import make_decider
 from av_jax.decision import make_decision
+from av_jax.estimator import EstimatorConfig
 from av_jax.estimator import EstimatorState
 from av_jax.estimator import OnlineEstimator
 from av_jax.estimator import online_estimator
@@ -18,16 +23,18 @@ from av_jax.features import Feature
 from av_jax.features import get_feature
 from av_jax.features import logit_qmax
 from av_jax.features import neg_entropy
-from av_jax.features import sampling_log_probs
 from av_jax.features import top2_margin
 from av_jax.planner import POLICIES
 from av_jax.planner import Plan
 from av_jax.planner import Planner
+from av_jax.planner import PlannerConfig
 from av_jax.planner import PlannerState
 from av_jax.planner import exact_policy
 from av_jax.planner import is_exact
 from av_jax.planner import make_planner
 from av_jax.profiling import profile_costs
+from av_jax.sampling import Sampling
+from av_jax.sampling import sampling_log_probs
 from av_jax.rejection import RejectionResult
 from av_jax.rejection import rejection_sample
 from av_jax.rejection import rejection_sample_ragged
@@ -41,9 +48,13 @@ from av_jax.selection import survival
 __version__ = "0.1.0"
 
 __all__ = (
+    "ARMS",
+    "Arm",
     "CostModel",
+    "Decider",
     "Decision",
     "DecisionState",
+    "EstimatorConfig",
     "EstimatorState",
     "FEATURES",
     "FEATURE_CLIP",
@@ -52,23 +63,26 @@ __all__ = (
     "POLICIES",
     "Plan",
     "Planner",
+    "PlannerConfig",
     "PlannerState",
     "RejectionResult",
+    "Sampling",
     "allocate",
     "choose_budget",
     "decision_step",
     "exact_policy",
     "get_feature",
-    "init_decision_state",
     "is_exact",
     "linear_cost_model",
     "logit_qmax",
     "make_cost_model",
+    "make_decider",
     "make_decision",
     "make_planner",
     "metrics",
     "neg_entropy",
     "online_estimator",
+    "parse_arm",
     "profile_costs",
     "rejection_sample",
     "rejection_sample_ragged",

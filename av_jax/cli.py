@@ -16,6 +16,12 @@ import time
 import jax
 import numpy as np
 
+from av_jax import engine as E
+from av_jax import models as M
+from av_jax.engine import demo
+from av_jax.engine import profile as prof
+from av_jax.studies import run as studies
+
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
   p.add_argument("--models", default="default", help="shipped model set name")
@@ -35,9 +41,6 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def _build(args, mode: str | None = None):
-  from av_jax import engine as E
-  from av_jax import models as M
-  from av_jax.engine import profile as prof
   pair = M.load(args.models, drafter=args.drafter)
   config = E.EngineConfig(num_slots=args.slots, max_draft=args.k, max_len=args.max_len,
                           mode=mode or args.mode, temperature=args.temperature,
@@ -52,7 +55,6 @@ def _build(args, mode: str | None = None):
 
 
 def cmd_generate(args) -> None:
-  from av_jax import engine as E
   pair, engine, params, cost = _build(args)
   tok = pair.tokenizer
   prompt = tok.encode(args.prompt)
@@ -88,12 +90,11 @@ def cmd_generate(args) -> None:
   s = result.stats
   print(f"\n--- {len(c.tokens)} tokens in {elapsed:.2f} s ({len(c.tokens) / elapsed:.1f} tok/s), "
         f"{s['steps']} steps, {s['emitted'] / max(s['steps'], 1):.2f} tokens/step, "
-        f"verified {s['verified']} of {s['drafted']} drafts, finish={c.finish_reason}",
+        f"verified {s['verified']} of {s['draft_tokens']} drafts, finish={c.finish_reason}",
         file=sys.stderr)
 
 
 def cmd_profile(args) -> None:
-  from av_jax.engine import profile as prof
   args.no_profile = True
   _, engine, params, _ = _build(args)
   _, profile = prof.profile_costs(engine, params, refresh=args.refresh)
@@ -101,13 +102,11 @@ def cmd_profile(args) -> None:
 
 
 def cmd_demo(args) -> None:
-  from av_jax.engine import demo
   demo.main(args)
 
 
 def cmd_bench(args) -> None:
-  from av_jax.studies import run
-  run.run(args)
+  studies.run(args)
 
 
 def main(argv=None) -> None:
@@ -125,11 +124,9 @@ def main(argv=None) -> None:
   p.add_argument("--refresh", action="store_true", help="re-measure even if cached")
   p.set_defaults(func=cmd_profile)
   d = sub.add_parser("demo", help="AV against fixed K on the shipped models (main job)")
-  from av_jax.engine import demo
   demo.add_args(d)
   d.set_defaults(func=cmd_demo)
   b = sub.add_parser("bench", help="the studies suite: report, plots, JSON in reports/")
-  from av_jax.studies import run as studies
   studies.add_args(b)
   b.set_defaults(func=cmd_bench)
   args = parser.parse_args(argv)

@@ -1,48 +1,183 @@
-"""The per-step AV decision as one pure function: draft logits -> `num_verified [B]`.
+"""The per-step AV decision: three pure verbs over one state, used by every caller.
 
-Every decode step the engine runs, on device and without a host round trip:
+    probs = decider.score(state, features, conf=conf)              # [B, K] acceptance
+    plan, state = decider.plan(state, probs, cost, active=active,  # what to verify
+                               sound=sound, drafting=drafting)
+    state = decider.learn(state, features, accepted, labeled)      # labels -> estimator
 
-1. `logit_qmax` of the `[B, K, V]` draft logits (the feature pass, the only part that
-   reads the logits);
-2. `estimator.update` with the previous step's features and the labels its
-   verification produced (accepted / labeled), refitting at the end of a round;
-3. `estimator.predict` of this step's acceptance probabilities;
-4. `planner.plan`: survival, budget (per the planner's policy), allocation, exploration.
+and `decider.drafts(state)`, the skip-drafting gate read before drafting. The engine step
+(`av_jax.engine.core.step`), the synthetic simulator (`av_jax.simulate.run`), the
+one-call `decision_step` and the overhead benchmark (`benchmarks/overhead.py`) all run
+these verbs of a `Decider` built by `make_decider`; nothing else composes an estimator
+and a planner. What differs between arms is an argument, not a code path: the
+confidence head (`conf`, used when the decider was built with `head=True`), slots whose
+draft logits were not finite (`sound`), a step that did not draft (`drafting`).
 
-The update runs before the predict so that a refit at the end of a round is used at
-once; between refits the order does not matter (the coefficients are fixed within a
-round). The previous step's features travel in the state, so the whole step is a pure
-`state -> state` function that jits once per `(B, K, V)` and never retraces.
+Order. The engine scores, plans, verifies and learns within one step. `decision_step`
+serves a caller that has this step's draft logits and the previous step's labels: it
+learns first (so a refit at the end of a round is used at once), then scores and plans.
+Both run the estimator through the same sequence of updates and predictions. The
+previous step's features travel in the state (`DecisionState.features`), so
+`decision_step` is a pure `state -> state` function that jits once per `(B, K, V)`.
 
-`make_decision` jits it, donating the state, and counts traces so callers can assert
-that steps never recompile (benchmarks/overhead.py, tests/test_decision.py).
+`make_decision` jits `decision_step`, donating the state, and counts traces so callers
+can assert that steps never recompile (benchmarks/overhead.py, tests/test_decision.py).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from av_jax import _checks
-from av_jax.estimator import EstimatorState, OnlineEstimator
+from av_jax.estimator import EstimatorConfig, EstimatorState, OnlineEstimator, online_estimator
 from av_jax.features import logit_qmax
-from av_jax.planner import Plan, Planner, PlannerState
+from av_jax.planner import Plan, Planner, PlannerConfig, PlannerState, make_planner
+from av_jax.selection import CostModel
 
 
 class DecisionState(NamedTuple):
   """Everything the per-step decision carries from one step to the next (a pytree)."""
   estimator: EstimatorState  # the online estimator's coefficients and round statistics
-  planner: PlannerState      # lagged budget and step counter
-  features: jax.Array        # [B, K] float32, last step's features (labelled this step)
+  planner: PlannerState      # lagged budget, step counter, whether drafting pays
+  # [B, K] float32, the last step's features awaiting their labels (`decision_step`);
+  # None in the engine, which learns within the step that drafted.
+  features: jax.Array | None = None
+
+
+class Decider(NamedTuple):
+  """The decision's verbs for fixed hyper-parameters (hashable, jit-static); see
+  `make_decider`."""
+  estimator: OnlineEstimator  # the online acceptance estimator
+  planner: Planner            # the verification planner (policy, exploration, gate)
+  head: bool                  # scores are the drafter's confidence-head probabilities
+
+  @property
+  def num_positions(self) -> int:
+    """K, the maximum draft length."""
+    return self.estimator.num_positions
+
+  def init(self, batch_size: int | None = None) -> DecisionState:
+    """A fresh state; with `batch_size`, zero `[B, K]` features for `decision_step` and
+    every leaf its own buffer (so the state can be donated)."""
+    state = DecisionState(estimator=self.estimator.init(), planner=self.planner.init())
+    if batch_size is None:
+      return state
+    state = state._replace(
+        features=jnp.zeros((batch_size, self.num_positions), jnp.float32))
+    return jax.tree.map(jnp.copy, state)
+
+  def drafts(self, state: DecisionState) -> jax.Array:
+    """`[] bool`: whether this step should draft (always, unless the planner is gated
+    and drafting did not pay at the last step that drafted; see `make_planner`)."""
+    return self.planner.should_draft(state.planner)
+
+  def score(self, state: DecisionState, features: jax.typing.ArrayLike, *,
+            conf: jax.typing.ArrayLike | None = None) -> jax.Array:
+    """`[B, K]` acceptance probabilities of this step's drafts.
+
+    Args:
+      state: the decision state.
+      features: `[B, K]` lossless features of the drafts (`logit_qmax`).
+      conf: `[B, K]` confidence-head probabilities; the scores when the decider was
+        built with `head=True` (then required), ignored otherwise.
+    """
+    if self.head:
+      if conf is None:
+        raise ValueError("conf: expected [B, K] confidence-head probabilities for a "
+                         "decider built with head=True, got None")
+      return jnp.asarray(conf)
+    return self.estimator.predict(state.estimator, features)
+
+  def plan(self, state: DecisionState, probs: jax.typing.ArrayLike, cost: CostModel, *,
+           active: jax.typing.ArrayLike | None = None,
+           sound: jax.typing.ArrayLike | None = None,
+           drafting: jax.typing.ArrayLike = True) -> tuple[Plan, DecisionState]:
+    """What to verify this step: survival, budget, allocation, exploration, gate.
+
+    Args:
+      state: the decision state.
+      probs: `[B, K]` acceptance probabilities (`score`).
+      cost: the step-cost tables the budget is chosen against (data, never static).
+      active: `[B]` bool, slots that are decoding (all when None).
+      sound: `[B]` bool, slots whose draft logits were finite; the others verify nothing
+        this step (a target-only step for them). All when None.
+      drafting: `[] bool`, whether this step drafted; a step that did not verifies
+        nothing and leaves the lagged budget and the gate as they were.
+
+    Returns:
+      `(plan, new_state)`.
+    """
+    if sound is not None:
+      B = jnp.shape(probs)[0]
+      active = jnp.asarray(sound) if active is None else jnp.asarray(active) & sound
+      _checks.shape("sound", jnp.asarray(sound), (B,), "B")
+    plan, planner = self.planner.plan(state.planner, probs, cost, active=active,
+                                      drafting=drafting)
+    return plan, state._replace(planner=planner)
+
+  def learn(self, state: DecisionState, features: jax.typing.ArrayLike,
+            accepted: jax.typing.ArrayLike, labeled: jax.typing.ArrayLike, *,
+            axis_name: str | None = None) -> DecisionState:
+    """Adds the labels verification produced to the estimator (refitting when a round
+    ends).
+
+    Args:
+      state: the decision state.
+      features: `[B, K]` features of the drafts the labels belong to.
+      accepted: `[B, K]` bool, verification outcome per position.
+      labeled: `[B, K]` bool, which of `accepted` are labels (accepted positions and the
+        first rejected one; docs/algorithm.md section 6).
+      axis_name: mesh axis over which data-parallel replicas sum the round's statistics.
+    """
+    return state._replace(estimator=self.estimator.update(
+        state.estimator, features, accepted, labeled, axis_name=axis_name))
+
+
+def make_decider(num_positions: int, *, policy: str, head: bool = False,
+                 estimator: EstimatorConfig | None = None,
+                 planner: PlannerConfig | None = None) -> Decider:
+  """Builds the decision's verbs; one object per distinct set of hyper-parameters.
+
+  The result is cached, so an engine and a benchmark built from the same settings hold
+  the very same functions (and a jit keyed on the engine compiles once).
+
+  Args:
+    num_positions: K, the maximum draft length.
+    policy: the planner's budget policy (`av_jax.planner.POLICIES`; the exact one for an
+      arm and drafter is `av_jax.arms.policy_for`).
+    head: score with the drafter's confidence head instead of the estimator.
+    estimator: the estimator's hyper-parameters (`EstimatorConfig()` when None).
+    planner: the planner's hyper-parameters (`PlannerConfig()` when None).
+
+  Example:
+    >>> decider = make_decider(4, policy="current")
+    >>> state = decider.init()
+    >>> probs = decider.score(state, features)
+    >>> plan, state = decider.plan(state, probs, cost, active=active)
+    >>> state = decider.learn(state, features, accepted, labeled)
+  """
+  return _decider(num_positions, policy, bool(head), estimator or EstimatorConfig(),
+                  planner or PlannerConfig())
+
+
+@functools.lru_cache(maxsize=None)
+def _decider(num_positions: int, policy: str, head: bool, estimator: EstimatorConfig,
+             planner: PlannerConfig) -> Decider:
+  # Positional and normalized, so equal settings however spelled share one entry.
+  return Decider(estimator=online_estimator(num_positions, estimator),
+                 planner=make_planner(planner, policy=policy), head=head)
 
 
 class Decision(NamedTuple):
-  """A jitted decision for fixed hyper-parameters; see `make_decision`."""
+  """A jitted `decision_step` for one decider; see `make_decision`."""
   init: Callable[[int], DecisionState]
   step: Callable[..., tuple[Plan, DecisionState]]
   num_traces: Callable[[], int]
+  decider: Decider
 
 
 def decision_step(
@@ -51,25 +186,25 @@ def decision_step(
     accepted: jax.typing.ArrayLike,
     labeled: jax.typing.ArrayLike,
     active: jax.typing.ArrayLike,
+    cost: CostModel,
     *,
-    estimator: OnlineEstimator,
-    planner: Planner,
+    decider: Decider,
     temperature: jax.typing.ArrayLike = 1.0,
     top_p: jax.typing.ArrayLike = 1.0,
     feature: Callable[..., jax.Array] = logit_qmax,
     axis_name: str | None = None,
 ) -> tuple[Plan, DecisionState]:
-  """One AV decision: features, estimator update, predict, survival, budget, allocation.
+  """One AV decision from draft logits: features, learn (last step's labels), score, plan.
 
   Args:
-    state: the `DecisionState` returned by the previous step (or `init`).
+    state: the `DecisionState` returned by the previous step (or `decider.init(B)`).
     logits: `[B, K, V]` draft logits of this step (before temperature / top-p).
     accepted: `[B, K]` bool, previous step's verification outcome per position.
-    labeled: `[B, K]` bool, which of `accepted` are labels (spec section 6: accepted
-      positions and the first rejected one; all False at the first step).
+    labeled: `[B, K]` bool, which of `accepted` are labels (accepted positions and the
+      first rejected one, docs/algorithm.md section 6; all False at the first step).
     active: `[B]` bool, slots that are sampling this step.
-    estimator: an `online_estimator(K, ...)`.
-    planner: a `make_planner(cost, ...)`.
+    cost: the step-cost tables (`av_jax.make_cost_model`).
+    decider: the verbs (`make_decider`).
     temperature: drafting temperature (scalar or `[B, K]`), as in `logit_qmax`.
     top_p: drafting nucleus mass (scalar or `[B, K]`); 1 skips the nucleus sort.
     feature: `feature(logits, *, temperature, top_p) -> [B, K]`, a lossless feature with
@@ -81,86 +216,71 @@ def decision_step(
     `(plan, new_state)`: `plan.num_verified [B]` int32 and `plan.mask [B, K]` bool say
     what to verify; `new_state.features` holds this step's features for the next update.
 
-  Reference: ADAPTIVE_VERIFICATION.md, sections 2-4 and 7.
+  Reference: docs/algorithm.md, sections 2 (feature), 4 (budget, allocation) and 7
+  (estimator).
 
   Example:
-    >>> est = online_estimator(K)
-    >>> planner = make_planner(linear_cost_model(B, B * (K + 1)), policy="current")
-    >>> state = init_decision_state(est, planner, batch_size=B)
-    >>> plan, state = decision_step(state, logits, accepted, labeled, active,
-    ...                             estimator=est, planner=planner)
+    >>> decider = make_decider(K, policy="current")
+    >>> state = decider.init(B)
+    >>> plan, state = decision_step(state, logits, accepted, labeled, active, cost,
+    ...                             decider=decider)
   """
   logits = jnp.asarray(logits)
   _checks.rank("logits", logits, 3, "BKV")
   B, K, _ = logits.shape
-  if K != estimator.num_positions:
-    raise ValueError(f"logits: expected K={estimator.num_positions} draft positions, "
+  if K != decider.num_positions:
+    raise ValueError(f"logits: expected K={decider.num_positions} draft positions, "
                      f"got shape {logits.shape}")
+  if state.features is None:
+    raise ValueError("state.features: expected [B, K] features; build the state with "
+                     "decider.init(batch_size)")
   _checks.shape("state.features", state.features, (B, K), "BK")
   features = feature(logits, temperature=temperature, top_p=top_p)
-  est_state = estimator.update(state.estimator, state.features, accepted, labeled,
-                               axis_name=axis_name)
-  probs = estimator.predict(est_state, features)
-  plan, planner_state = planner.plan(state.planner, probs, active=active)
-  return plan, DecisionState(estimator=est_state, planner=planner_state, features=features)
-
-
-def init_decision_state(estimator: OnlineEstimator, planner: Planner, *,
-                        batch_size: int) -> DecisionState:
-  """The state before the first step: fresh estimator and planner, zero features.
-
-  Every leaf is its own buffer (`estimator.init()` shares one zeros array between
-  several fields), so the state can be donated.
-  """
-  state = DecisionState(
-      estimator=estimator.init(), planner=planner.init(),
-      features=jnp.zeros((batch_size, estimator.num_positions), jnp.float32))
-  return jax.tree.map(jnp.copy, state)
+  state = decider.learn(state, state.features, accepted, labeled, axis_name=axis_name)
+  probs = decider.score(state, features)
+  plan, state = decider.plan(state, probs, cost, active=active)
+  return plan, state._replace(features=features)
 
 
 def make_decision(
-    estimator: OnlineEstimator,
-    planner: Planner,
+    decider: Decider,
     *,
     temperature: float = 1.0,
     top_p: float = 1.0,
     feature: Callable[..., jax.Array] = logit_qmax,
     donate: bool = True,
 ) -> Decision:
-  """Jits `decision_step` for fixed hyper-parameters.
+  """Jits `decision_step` for one decider.
 
   The state is donated (its buffers are reused for the new state, which has the same
   shapes); the logits are not, since nothing in the output can reuse a `[B, K, V]`
-  buffer. Each trace increments a counter read by `num_traces()`: after the first step
-  of a `(B, K, V)` shape it must stay constant.
+  buffer. The cost tables are a traced argument (a re-profiled table needs no
+  recompile). Each trace increments a counter read by `num_traces()`: after the first
+  step of a `(B, K, V)` shape it must stay constant.
 
   Args:
-    estimator: an `online_estimator(K, ...)`.
-    planner: a `make_planner(...)`.
+    decider: the verbs (`make_decider`).
     temperature: drafting temperature (Python float: part of the compiled program).
     top_p: drafting nucleus mass (Python float; 1 compiles no sort).
     feature: the feature implementation (see `decision_step`).
     donate: donate the state argument to the step.
 
   Returns:
-    `Decision(init, step, num_traces)` with `init(batch_size) -> DecisionState` and
-    `step(state, logits, accepted, labeled, active) -> (Plan, DecisionState)`.
+    `Decision(init, step, num_traces, decider)` with `init(batch_size) -> DecisionState`
+    and `step(state, logits, accepted, labeled, active, cost) -> (Plan, DecisionState)`.
 
   Example:
-    >>> decide = make_decision(online_estimator(4), make_planner(cost, policy="lagged"))
+    >>> decide = make_decision(make_decider(4, policy="lagged"))
     >>> state = decide.init(8)
-    >>> plan, state = decide.step(state, logits, accepted, labeled, active)
+    >>> plan, state = decide.step(state, logits, accepted, labeled, active, cost)
   """
   traces = [0]
 
-  def step(state, logits, accepted, labeled, active):
+  def step(state, logits, accepted, labeled, active, cost):
     traces[0] += 1  # runs only while tracing
-    return decision_step(state, logits, accepted, labeled, active, estimator=estimator,
-                         planner=planner, temperature=temperature, top_p=top_p,
-                         feature=feature)
-
-  def init(batch_size: int) -> DecisionState:
-    return init_decision_state(estimator, planner, batch_size=batch_size)
+    return decision_step(state, logits, accepted, labeled, active, cost, decider=decider,
+                         temperature=temperature, top_p=top_p, feature=feature)
 
   jitted = jax.jit(step, donate_argnums=(0,) if donate else ())
-  return Decision(init=init, step=jitted, num_traces=lambda: traces[0])
+  return Decision(init=decider.init, step=jitted, num_traces=lambda: traces[0],
+                  decider=decider)

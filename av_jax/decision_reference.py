@@ -6,8 +6,10 @@ argmax budget, stable top-k allocation, gradient/Hessian accumulation). It serve
 purposes: an independent implementation the tests compare `decision_step` against, and
 the NumPy baseline of `benchmarks/overhead.py`.
 
-`DecisionConfig` holds the hyper-parameters once, so the JAX decision
-(`DecisionConfig.jax_decision`) and the references are built from the same numbers.
+`DecisionConfig` holds the hyper-parameters once (the estimator's as the
+`EstimatorConfig` the engine uses, the planner's as its `PlannerConfig`), so the JAX
+decision (`DecisionConfig.jax_decision`, the engine's own verbs via `make_decider`) and
+the references are built from the same numbers.
 State is a flat dict of NumPy arrays keyed like the flattened `DecisionState`
 (`"estimator.slope"`, ..., `"planner.budget"`, `"features"`); `flatten_state` turns a
 JAX `DecisionState` into the same dict for comparisons.
@@ -19,11 +21,11 @@ import dataclasses
 
 import numpy as np
 
-from av_jax.decision import Decision, DecisionState, make_decision
-from av_jax.estimator import online_estimator
+from av_jax.decision import Decider, Decision, DecisionState, make_decider, make_decision
+from av_jax.estimator import EstimatorConfig
 from av_jax.features import FEATURE_CLIP
-from av_jax.planner import _ALL, make_planner
-from av_jax.selection import make_cost_model
+from av_jax.planner import _ALL, PlannerConfig
+from av_jax.selection import CostModel, make_cost_model
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -33,26 +35,25 @@ class DecisionConfig:
   draft_ms: tuple[float, ...]     # [R_max + 1] drafting cost by active requests
   verify_ms: tuple[float, ...]    # [T_max + 1] verification cost by verified tokens
   policy: str = "current"         # planner budget policy (see av_jax.planner)
-  explore_every: int = 4          # one slot verifies all K every this many steps
-  refit_interval: int = 100       # estimator round length N
-  damping: float = 50.0           # evidence damping c
-  l2: float = 1e-3                # ridge on the Hessian diagonal
-  init_slope: float = 0.5         # starting slope w
-  init_intercept: float = 1.5     # starting intercepts beta_i
-  max_abs_coef: float = 20.0      # coefficient clamp after a refit
-  max_step: float = 2.0           # trust region: largest change of a coefficient per refit
+  estimator: EstimatorConfig = EstimatorConfig()  # estimator hyper-parameters
+  planner: PlannerConfig = PlannerConfig()        # planner hyper-parameters (no gate)
   temperature: float = 1.0        # drafting temperature (top-p is not modelled here)
 
+  def decider(self) -> Decider:
+    """The decision's verbs for these hyper-parameters (the engine's, when it is built
+    from the same settings: `make_decider` returns one object per setting)."""
+    return make_decider(self.num_positions, policy=self.policy, estimator=self.estimator,
+                        planner=self.planner)
+
+  def cost(self) -> CostModel:
+    """The cost tables as a `CostModel` (repaired by `make_cost_model`)."""
+    return make_cost_model(self.draft_ms, self.verify_ms)
+
   def jax_decision(self, *, donate: bool = True, feature=None) -> Decision:
-    """The jitted JAX decision for these hyper-parameters (`feature`: see decision_step)."""
-    estimator = online_estimator(
-        self.num_positions, refit_interval=self.refit_interval, damping=self.damping,
-        l2=self.l2, init_slope=self.init_slope, init_intercept=self.init_intercept,
-        max_abs_coef=self.max_abs_coef, max_step=self.max_step)
-    planner = make_planner(make_cost_model(self.draft_ms, self.verify_ms),
-                           policy=self.policy, explore_every=self.explore_every)
+    """The jitted JAX decision for these hyper-parameters (`feature`: see decision_step);
+    its `step` takes `self.cost()` as its last argument."""
     extra = {} if feature is None else dict(feature=feature)
-    return make_decision(estimator, planner, temperature=self.temperature, donate=donate,
+    return make_decision(self.decider(), temperature=self.temperature, donate=donate,
                          **extra)
 
   def cost_tables(self) -> tuple[np.ndarray, np.ndarray]:
@@ -89,12 +90,12 @@ class NumpyDecision:
     state["estimator.num_refits"] = np.zeros((), np.int32)
     state["planner.budget"] = np.asarray(_ALL, np.int32)
     state["planner.step"] = np.zeros((), np.int32)
-    state["planner.draft"] = np.asarray(True)  # the decision always drafts
+    state["planner.drafting_pays"] = np.asarray(True)  # the decision always drafts
     state["features"] = np.zeros((batch_size, self.config.num_positions), _F32)
     return state
 
   def _fresh_estimator(self) -> dict[str, np.ndarray]:
-    c, K = self.config, self.config.num_positions
+    c, K = self.config.estimator, self.config.num_positions
     zeros_k = np.zeros((K,), _F32)
     return {
         "estimator.slope": np.asarray(c.init_slope, _F32),
@@ -127,7 +128,7 @@ class NumpyDecision:
   # --- estimator -------------------------------------------------------------------
 
   def _update(self, state, features, accepted, labeled):
-    c = self.config
+    c = self.config.estimator
     slope, intercepts = state["estimator.slope"], state["estimator.intercepts"]
     mask = labeled & np.isfinite(features)
     f = np.where(mask, np.clip(np.nan_to_num(features, nan=0.0), -FEATURE_CLIP,
@@ -151,7 +152,7 @@ class NumpyDecision:
 
   def _refit(self, state):
     """Damped Newton step on the arrowhead Hessian (Schur complement), then reset."""
-    c = self.config
+    c = self.config.estimator
     g_w, g = state["estimator.grad_slope"], state["estimator.grad_intercepts"]
     cross = state["estimator.hess_cross"]
     a = state["estimator.hess_slope"] + _F32(c.l2)
@@ -223,11 +224,13 @@ class NumpyDecision:
     mask = self._allocate(surv, budget, active)
     step = int(state["planner.step"])
     explored = np.zeros(B, bool)
-    if c.explore_every > 0 and c.policy in ("current", "lagged") and step % c.explore_every == 0:
-      explored[(step // c.explore_every) % B] = True
+    every = c.planner.explore_every
+    if every > 0 and c.policy in ("current", "lagged") and step % every == 0:
+      explored[(step // every) % B] = True
       explored &= active
     mask |= explored[:, None]
-    return mask, np.int32(budget), np.asarray(next_budget, np.int32)
+    # The reported budget is at most B * K (the lagged first step's "everything").
+    return mask, np.int32(min(budget, B * K)), np.asarray(next_budget, np.int32)
 
   # --- the step --------------------------------------------------------------------
 

@@ -17,7 +17,7 @@ import numpy as np
 from av_jax import simulate
 from av_jax.selection import make_cost_model
 
-MODES = ("target_only", "fixed", "av", "oracle")
+DEMO_ARMS = ("target_only", "fixed", "av", "oracle")  # arms of av_jax.arms.ARMS shown
 
 
 def compute_bound_cost(num_slots: int, num_positions: int) -> "simulate.CostModel":
@@ -50,11 +50,11 @@ def main(argv=None) -> None:
     workload = simulate.SyntheticWorkload(num_slots=num_slots, num_positions=args.positions)
     cost = compute_bound_cost(num_slots, args.positions)
     rows = {}
-    for mode in MODES:
+    for mode in DEMO_ARMS:
       stats, _ = simulate.run(jax.random.PRNGKey(args.seed), workload, cost, mode=mode,
                               num_steps=args.steps)
       rows[mode] = simulate.summarize(stats, warmup=args.warmup)
-    for mode in MODES:
+    for mode in DEMO_ARMS:
       r = rows[mode]
       ratio = r["tokens_per_cost"] / rows["fixed"]["tokens_per_cost"]
       calib = f"{r['ece']:7.4f} {r['auc']:6.3f}" if mode == "av" else f"{'':>7} {'':>6}"

@@ -5,14 +5,14 @@
 One slope shared by the K positions, one intercept per position (K + 1 parameters).
 Coefficients stay fixed during a round of `refit_interval` updates; each update adds the
 labelled drafts' gradient and Hessian of the negative log-likelihood at the current
-coefficients; the round ends with one damped Newton step (spec section 7).
+coefficients; the round ends with one damped Newton step (docs/algorithm.md section 7).
 
 The Hessian is an arrowhead matrix: a dense slope row/column and a diagonal intercept
 block, because every label touches the slope and exactly one intercept. It is stored as
 three parts (`hess_slope []`, `hess_cross [K]`, `hess_diag [K]`) and solved in O(K) by the
 Schur complement of the diagonal block, so memory is O(K) however many labels arrive.
 
-Robustness (spec section 7 failure modes): entries whose feature is not finite are never
+Robustness (docs/algorithm.md section 7 failure modes): entries whose feature is not finite are never
 labelled; positions without labels get a zero step (never NaN); each step is capped at
 `max_step` per coefficient (a trust region, so a saturated start climbs instead of
 overshooting); coefficients are clamped
@@ -26,6 +26,7 @@ Reference: vLLM's online acceptance estimator for Adaptive Verification (PR 5222
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, NamedTuple
 
 import jax
@@ -33,6 +34,28 @@ import jax.numpy as jnp
 
 from av_jax import _checks
 from av_jax.features import FEATURE_CLIP
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EstimatorConfig:
+  """Every hyper-parameter of the online estimator, in one place (see `online_estimator`).
+
+  Used by `online_estimator`, the engine (`EngineConfig.estimator`) and the NumPy
+  reference (`av_jax.decision_reference`).
+  """
+  refit_interval: int = 100     # N, updates per round; `update` refits when a round ends
+  damping: float = 50.0         # c, evidence damping n / (n + c) of each coefficient's step
+  l2: float = 1e-3              # ridge added to the Hessian's diagonal before the solve
+  init_slope: float = 0.5       # starting slope (0.45-0.59 measured across real pairs)
+  init_intercept: float = 1.5   # starting intercept of every position (vLLM uses 1.5)
+  max_abs_coef: float = 20.0    # coefficients are clamped to this magnitude after a refit
+  max_step: float = 2.0         # trust region: largest change of a coefficient per refit
+
+  def __post_init__(self):
+    if self.refit_interval < 1:
+      raise ValueError(f"refit_interval: expected >= 1, got {self.refit_interval}")
+    if self.damping < 0 or self.l2 < 0:
+      raise ValueError(f"damping and l2: expected >= 0, got {self.damping}, {self.l2}")
 
 
 class EstimatorState(NamedTuple):
@@ -60,6 +83,7 @@ class OnlineEstimator(NamedTuple):
   update: Callable[..., EstimatorState]
   refit: Callable[..., EstimatorState]
   num_positions: int
+  config: EstimatorConfig
 
 
 def _sanitize(features: jax.Array) -> jax.Array:
@@ -93,32 +117,29 @@ def newton_step(state: EstimatorState, *, l2: float) -> tuple[jax.Array, jax.Arr
 
 def online_estimator(
     num_positions: int,
-    *,
-    refit_interval: int = 100,
-    damping: float = 50.0,
-    l2: float = 1e-3,
-    init_slope: float = 0.5,
-    init_intercept: float = 1.5,
-    max_abs_coef: float = 20.0,
-    max_step: float = 2.0,
+    config: EstimatorConfig | None = None,
+    **overrides,
 ) -> OnlineEstimator:
   """Builds the online per-position logistic acceptance estimator.
 
   Args:
     num_positions: K, the maximum draft length.
-    refit_interval: N, updates per round; `update` refits when a round ends.
-    damping: c in the evidence damping `n / (n + c)` of each coefficient's step.
-    l2: ridge added to the Hessian's diagonal before the solve.
-    init_slope: starting slope (the note measures 0.45-0.59 across real pairs).
-    init_intercept: starting intercept of every position (vLLM uses 1.5).
-    max_abs_coef: coefficients are clamped to this magnitude after each refit.
-    max_step: trust region: no coefficient moves more than this per refit (after
-      damping). Near saturation the log-loss Hessian vanishes and a full Newton step from
-      a pessimistic start (intercepts -5) would be ~+100, overshooting into oscillation
-      between the clamps; capped steps climb monotonically instead.
+    config: the hyper-parameters (`EstimatorConfig()` when None):
+      * `refit_interval`: N, updates per round; `update` refits when a round ends.
+      * `damping`: c in the evidence damping `n / (n + c)` of each coefficient's step.
+      * `l2`: ridge added to the Hessian's diagonal before the solve.
+      * `init_slope`: starting slope (the note measures 0.45-0.59 across real pairs).
+      * `init_intercept`: starting intercept of every position (vLLM uses 1.5).
+      * `max_abs_coef`: coefficients are clamped to this magnitude after each refit.
+      * `max_step`: trust region: no coefficient moves more than this per refit (after
+        damping). Near saturation the log-loss Hessian vanishes and a full Newton step
+        from a pessimistic start (intercepts -5) would be ~+100, overshooting into
+        oscillation between the clamps; capped steps climb monotonically instead.
+    **overrides: `EstimatorConfig` fields replacing those of `config`
+      (`online_estimator(4, refit_interval=20)`).
 
   Returns:
-    `OnlineEstimator(init, predict, update, refit, num_positions)`:
+    `OnlineEstimator(init, predict, update, refit, num_positions, config)`:
       * `init() -> EstimatorState`
       * `predict(state, features [B,K]) -> probs [B,K]`
       * `update(state, features [B,K], accepted [B,K] bool, labeled [B,K] bool, *,
@@ -133,10 +154,10 @@ def online_estimator(
   """
   if num_positions < 1:
     raise ValueError(f"num_positions: expected K >= 1, got {num_positions}")
-  if refit_interval < 1:
-    raise ValueError(f"refit_interval: expected >= 1, got {refit_interval}")
-  if damping < 0 or l2 < 0:
-    raise ValueError(f"damping and l2: expected >= 0, got {damping}, {l2}")
+  config = dataclasses.replace(config or EstimatorConfig(), **overrides)
+  refit_interval, damping, l2 = config.refit_interval, config.damping, config.l2
+  init_slope, init_intercept = config.init_slope, config.init_intercept
+  max_abs_coef, max_step = config.max_abs_coef, config.max_step
   K = num_positions
 
   def init() -> EstimatorState:
@@ -213,4 +234,4 @@ def online_estimator(
     return jax.tree.map(lambda r, s: jnp.where(done, r, s), refitted, state)
 
   return OnlineEstimator(init=init, predict=predict, update=update, refit=refit,
-                         num_positions=K)
+                         num_positions=K, config=config)

@@ -1,4 +1,4 @@
-"""Survival ranking, the throughput-optimal budget, and allocation (spec section 4).
+"""Survival ranking, the throughput-optimal budget, and allocation (docs/algorithm.md section 4).
 
 `survival` turns per-token acceptance probabilities into the probability that a draft
 position is reached and accepted. `choose_budget` picks how many draft tokens the whole
@@ -26,6 +26,16 @@ class CostModel(NamedTuple):
   """
   draft_ms: jax.Array   # [R_max + 1] float32, drafting cost with R active requests
   verify_ms: jax.Array  # [T_max + 1] float32, target cost to verify T tokens
+
+  def draft_cost(self, num_requests: jax.typing.ArrayLike) -> jax.Array:
+    """Drafting cost with `num_requests` active requests (any shape); beyond the table,
+    its last entry."""
+    return self.draft_ms[jnp.minimum(num_requests, self.draft_ms.shape[0] - 1)]
+
+  def verify_cost(self, num_tokens: jax.typing.ArrayLike) -> jax.Array:
+    """Target cost to verify `num_tokens` tokens (any shape); beyond the table, its last
+    entry (`choose_budget` never picks such a count)."""
+    return self.verify_ms[jnp.minimum(num_tokens, self.verify_ms.shape[0] - 1)]
 
 
 def make_cost_model(draft_ms, verify_ms, *, min_cost: float = 1e-6) -> CostModel:
@@ -159,9 +169,9 @@ def _budget(ranking: _Ranking, cost: CostModel, num_active: jax.Array, K: int) -
   n = jnp.arange(ranking.flat.shape[0] + 1)
   gains = jnp.cumsum(jnp.maximum(ranking.sorted_desc, 0.0))
   expected = num_active + jnp.concatenate([jnp.zeros((1,)), gains])
-  draft = cost.draft_ms[jnp.minimum(num_active, cost.draft_ms.shape[0] - 1)]
+  draft = cost.draft_cost(num_active)
   tokens = num_active + n
-  verify = cost.verify_ms[jnp.minimum(tokens, cost.verify_ms.shape[0] - 1)]
+  verify = cost.verify_cost(tokens)
   throughput = expected / jnp.maximum(draft + verify, 1e-12)
   valid = (n <= num_active * K) & (tokens < cost.verify_ms.shape[0])
   valid = valid.at[0].set(True)
@@ -183,7 +193,7 @@ def choose_budget(survival: jax.typing.ArrayLike, cost: CostModel, *,
 
   With R active requests and their survivals sorted descending s_(1) >= ... >= s_(M):
   `budget = argmax_n (R + s_(1) + ... + s_(n)) / (draft_ms[R] + verify_ms[R + n])`,
-  n = 0..M (spec section 4); ties go to the smaller n. Values of n whose token count
+  n = 0..M (docs/algorithm.md section 4); ties go to the smaller n. Values of n whose token count
   R + n lies beyond `verify_ms` are never chosen; R beyond `draft_ms` uses its last
   entry. With no active request the budget is 0.
 
@@ -249,7 +259,3 @@ def budget_and_allocation(survival: jax.typing.ArrayLike, cost: CostModel, *,
   used = optimal if budget is None else jnp.asarray(budget, jnp.int32)
   return optimal, used, _allocation(ranking, used, B, K)
 
-
-def num_verified_from_mask(mask: jax.Array) -> jax.Array:
-  """`[B, K]` prefix mask -> `[B]` int32 number of verified positions."""
-  return jnp.sum(mask, axis=-1, dtype=jnp.int32)

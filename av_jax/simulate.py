@@ -3,8 +3,8 @@
 No language model is involved: every step draws, for each slot and draft position, a
 random target distribution p and a draft distribution q that is p's logits plus noise
 growing with depth (a parallel drafter: q does not depend on the drawn tokens). The AV
-pipeline then runs exactly as an engine runs it: features -> predict -> plan ->
-rejection sample -> estimator update, all in one `lax.scan` on device. Step cost is read
+decision then runs as the engine runs it, with the same verbs (`av_jax.decision`):
+features -> score -> plan -> rejection sample -> learn, all in one `lax.scan` on device. Step cost is read
 from a `CostModel`, so throughput is modelled, not timed.
 """
 
@@ -17,9 +17,10 @@ import jax
 import jax.numpy as jnp
 
 from av_jax import metrics
-from av_jax.estimator import EstimatorState, online_estimator
+from av_jax.arms import get_arm, policy_for
+from av_jax.decision import DecisionState, make_decider
+from av_jax.estimator import EstimatorConfig, EstimatorState
 from av_jax.features import logit_qmax
-from av_jax.planner import PlannerState, make_planner
 from av_jax.rejection import rejection_sample
 from av_jax.selection import CostModel
 
@@ -65,9 +66,10 @@ def run(key: jax.Array, workload: SyntheticWorkload, cost: CostModel, *, mode: s
     key: PRNG key.
     workload: the synthetic stream's shape and difficulty.
     cost: step cost model.
-    mode: "av" (online estimator, exact policy for a parallel drafter), "fixed"
-      (verify all K), "target_only", or "oracle" (verifies exactly the tokens that will
-      be accepted, knowing the outcome: a ceiling for studies, not lossless).
+    mode: an arm of `av_jax.arms.ARMS` other than `av_head`: "av" (online estimator,
+      exact policy for a parallel drafter), "fixed" (verify all K), "target_only"
+      (verify nothing), or "oracle" (verifies exactly the tokens that will be accepted,
+      knowing the outcome: a ceiling for studies, not lossless).
     num_steps: steps to run.
     refit_interval: estimator round length.
 
@@ -76,37 +78,36 @@ def run(key: jax.Array, workload: SyntheticWorkload, cost: CostModel, *, mode: s
     estimator state.
   """
   B, K = workload.num_slots, workload.num_positions
-  est = online_estimator(K, refit_interval=refit_interval)
-  policy = {"av": "current", "fixed": "fixed", "target_only": "none", "oracle": "fixed"}[mode]
-  planner = make_planner(cost, policy=policy)
+  arm = get_arm(mode)
+  if arm.head:
+    raise ValueError(f"mode: the synthetic drafter has no confidence head, got {mode!r}")
+  decider = make_decider(K, policy=policy_for(arm, drafting="parallel", greedy=False),
+                         estimator=EstimatorConfig(refit_interval=refit_interval))
 
-  def step(carry: tuple[EstimatorState, PlannerState], key):
-    est_state, plan_state = carry
+  def step(state: DecisionState, key):
     k_draw, k_verify = jax.random.split(key)
     draft_logits, draft_tokens, target_probs = _draw(k_draw, workload)
     features = logit_qmax(draft_logits)
-    probs = est.predict(est_state, features)
-    plan, plan_state = planner.plan(plan_state, probs)
+    probs = decider.score(state, features)
+    plan, state = decider.plan(state, probs, cost)
     draft_probs = jax.nn.softmax(draft_logits)
     result = rejection_sample(k_verify, draft_probs=draft_probs, draft_tokens=draft_tokens,
                               target_probs=target_probs, num_verified=plan.num_verified)
     num_verified = plan.num_verified
-    if mode == "oracle":
+    if arm.hindsight:
       # Same randomness, hindsight: verify exactly the drafts that will be accepted.
       num_verified = result.num_accepted
       result = rejection_sample(k_verify, draft_probs=draft_probs, draft_tokens=draft_tokens,
                                 target_probs=target_probs, num_verified=num_verified)
-    est_state = est.update(est_state, features, result.accepted, result.labeled)
+    state = decider.learn(state, features, result.accepted, result.labeled)
     verified = jnp.sum(num_verified)
-    step_cost = cost.draft_ms[jnp.minimum(B, cost.draft_ms.shape[0] - 1)] + cost.verify_ms[
-        jnp.minimum(B + verified, cost.verify_ms.shape[0] - 1)]
+    step_cost = cost.draft_cost(B) + cost.verify_cost(B + verified)
     stats = StepStats(emitted=jnp.sum(result.num_emitted), verified=verified, cost=step_cost,
                       probs=probs, accepted=result.accepted, labeled=result.labeled)
-    return (est_state, plan_state), stats
+    return state, stats
 
-  (est_state, _), stats = jax.lax.scan(step, (est.init(), planner.init()),
-                                       jax.random.split(key, num_steps))
-  return stats, est_state
+  state, stats = jax.lax.scan(step, decider.init(), jax.random.split(key, num_steps))
+  return stats, state.estimator
 
 
 def summarize(stats: StepStats, *, warmup: int = 0) -> dict[str, float]:

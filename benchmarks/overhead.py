@@ -1,11 +1,17 @@
 """Per-step AV decision overhead: jitted JAX vs host NumPy vs PyTorch eager (issue 2).
 
 Times the whole per-step decision (`av_jax.decision.decision_step`: logit_qmax of the
-`[B, K, V]` draft logits, estimator update, predict, survival, budget, allocation) as
-one jitted function, interleaved in one run with the same decision in NumPy
-(`av_jax.decision_reference`) and PyTorch eager (`benchmarks/references.py`); checks
-that the three agree; counts traces; and compares the feature pass with one jitted
-`jnp.max` over the same logits (one read of the logits is the floor).
+`[B, K, V]` draft logits, then the decider's `learn`, `score` and `plan`: estimator
+update, predict, survival, budget, allocation) as one jitted function, interleaved in
+one run with the same decision in NumPy (`av_jax.decision_reference`) and PyTorch eager
+(`benchmarks/references.py`); checks that the three agree; counts traces; and compares
+the feature pass with one jitted `jnp.max` over the same logits (one read of the logits
+is the floor).
+
+The verbs timed are the engine's own: `DecisionConfig.decider()` returns the object
+`make_decider` gives `av_jax.engine.make_engine` for the same settings, and
+`tests/test_one_decision.py` checks that the engine's step-by-step decisions equal
+`decision_step`'s.
 
     .venv/bin/python benchmarks/overhead.py                 # the three issue sizes
     .venv/bin/python benchmarks/overhead.py --quick         # small smoke run
@@ -26,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from av_jax.decision_reference import DecisionConfig, NumpyDecision, flatten_state
+from av_jax.estimator import EstimatorConfig
 from av_jax.features import logit_qmax
 from feature_variants import hlo_passes, logit_qmax_fused  # benchmarks/ is on sys.path
 
@@ -97,19 +104,19 @@ def time_once(fn) -> tuple[float, object]:
 def check_agreement(cfg, logits_j, logits_np, logits_t, steps) -> dict:
   """Runs all implementations from fresh states on the same inputs; returns max diffs.
   A short refit interval makes the check cover the Newton refit too."""
-  cfg = dataclasses.replace(cfg, refit_interval=2)
+  cfg = dataclasses.replace(cfg, estimator=EstimatorConfig(refit_interval=2))
   impls = {"numpy": (NumpyDecision(cfg), logits_np, np.asarray)}
   if torch is not None:
     impls["torch"] = (TorchDecision(cfg), logits_t, torch.from_numpy)
-  decide, B = cfg.jax_decision(), logits_np.shape[0]
+  decide, B, cost = cfg.jax_decision(), logits_np.shape[0], cfg.cost()
   fused = cfg.jax_decision(feature=logit_qmax_fused)
   js, fs = decide.init(B), fused.init(B)
   states = {k: impl.init(B) for k, (impl, _, _) in impls.items()}
   worst = {k: 0.0 for k in impls}
   for inputs in steps:
     labels = [jnp.asarray(inputs[k]) for k in ("accepted", "labeled", "active")]
-    plan, js = decide.step(js, logits_j, *labels)
-    fplan, fs = fused.step(fs, logits_j, *labels)
+    plan, js = decide.step(js, logits_j, *labels, cost)
+    fplan, fs = fused.step(fs, logits_j, *labels, cost)
     ref_state = flatten_state(js)
     if not np.array_equal(fplan.num_verified, plan.num_verified):
       raise AssertionError("fused-feature decision disagrees with the library decision")
@@ -140,9 +147,11 @@ def bench_size(B, K, V, args) -> dict:
   logits_t = None if torch is None else torch.from_numpy(logits_np)
   agreement = check_agreement(cfg, logits_j, logits_np, logits_t, steps)
 
-  decide = cfg.jax_decision()
+  decide, cost = cfg.jax_decision(), cfg.cost()
   fused = cfg.jax_decision(feature=logit_qmax_fused)
-  impls = {"jax": decide.step, "jax_fused": fused.step, "numpy": NumpyDecision(cfg).step}
+  impls = {"jax": lambda *args: decide.step(*args, cost),
+           "jax_fused": lambda *args: fused.step(*args, cost),
+           "numpy": NumpyDecision(cfg).step}
   states = {"jax": decide.init(B), "jax_fused": fused.init(B),
             "numpy": NumpyDecision(cfg).init(B)}
   jax_steps = [{k: jnp.asarray(v) for k, v in s.items()} for s in steps]

@@ -28,7 +28,7 @@ class TorchDecision:
     self.verify_ms = torch.from_numpy(verify_ms)
 
   def _fresh_estimator(self):
-    c, K = self.config, self.config.num_positions
+    c, K = self.config.estimator, self.config.num_positions
     return {
         "estimator.slope": torch.tensor(c.init_slope, dtype=_F32),
         "estimator.intercepts": torch.full((K,), c.init_intercept, dtype=_F32),
@@ -46,6 +46,7 @@ class TorchDecision:
     state["estimator.num_refits"] = torch.zeros((), dtype=torch.int32)
     state["planner.budget"] = torch.tensor(_ALL, dtype=torch.int32)
     state["planner.step"] = torch.zeros((), dtype=torch.int32)
+    state["planner.drafting_pays"] = torch.tensor(True)  # the decision always drafts
     state["features"] = torch.zeros(batch_size, self.config.num_positions, dtype=_F32)
     return state
 
@@ -65,7 +66,7 @@ class TorchDecision:
     return torch.nan_to_num(features, nan=0.0).clamp(-FEATURE_CLIP, FEATURE_CLIP)
 
   def _update(self, state, features, accepted, labeled):
-    c = self.config
+    c = self.config.estimator
     mask = labeled & torch.isfinite(features)
     f = torch.where(mask, self._sanitize(features), 0.0)
     mu = torch.sigmoid(state["estimator.slope"] * f + state["estimator.intercepts"])
@@ -86,7 +87,7 @@ class TorchDecision:
     return new
 
   def _refit(self, state):
-    c = self.config
+    c = self.config.estimator
     g_w, g = state["estimator.grad_slope"], state["estimator.grad_intercepts"]
     cross = state["estimator.hess_cross"]
     a = state["estimator.hess_slope"] + c.l2
@@ -159,13 +160,15 @@ class TorchDecision:
       budget = 0
     mask = self._allocate(surv, budget, active)
     step = int(state["planner.step"])
-    if c.explore_every > 0 and c.policy in ("current", "lagged") and step % c.explore_every == 0:
-      slot = (step // c.explore_every) % B
+    every = c.planner.explore_every
+    if every > 0 and c.policy in ("current", "lagged") and step % every == 0:
+      slot = (step // every) % B
       mask[slot] |= bool(active[slot])
     state = dict(state)
     state["planner.budget"] = next_budget
     state["planner.step"] = state["planner.step"] + 1
     state["features"] = features
+    budget = min(budget, B * K)  # reported at most B * K, as the planner does
     return mask.sum(dim=1, dtype=torch.int32), mask, budget, state
 
 

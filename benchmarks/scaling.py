@@ -90,7 +90,7 @@ def time_decision(B, K, V, args) -> dict:
   # Affine costs with the break-even survival near 1/3: the budget is interior.
   cfg = DecisionConfig(num_positions=K, draft_ms=(1.0,) * (B + 1),
                        verify_ms=tuple(2.0 + 1.5 / B * tokens), policy="current")
-  decide = cfg.jax_decision()
+  decide, cost = cfg.jax_decision(), cfg.cost()
   state = decide.init(B)
   logits, steps = _decision_inputs(B, K, V)
   gib = B * K * V * 4 / 2**30
@@ -98,7 +98,7 @@ def time_decision(B, K, V, args) -> dict:
   times = []
   for rep in range(args.warmup + repeats):
     t0 = time.perf_counter()
-    plan, state = decide.step(state, logits, *steps[rep % len(steps)])
+    plan, state = decide.step(state, logits, *steps[rep % len(steps)], cost)
     jax.block_until_ready((plan, state))
     if rep >= args.warmup:
       times.append(time.perf_counter() - t0)

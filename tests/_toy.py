@@ -9,7 +9,7 @@ distribution of the first L tokens a speculative decoder emits:
 * the number of verified tokens comes from the real av_jax functions (features by
   `av_jax.logit_qmax` on log q, `est.predict`, `make_planner(...).plan` on a batch of one
   request), evaluated for all draft outcomes at once by `jax.vmap`;
-* verification is enumerated analytically (spec section 6): position i is accepted with
+* verification is enumerated analytically (docs/algorithm.md section 6): position i is accepted with
   probability min(1, p(x_i)/q(x_i)); at the first rejection a token comes from
   norm(max(0, p - q)); after m accepted the token comes from p given the accepted prefix;
 * when a step emits fewer than L tokens, the next step is enumerated from the new context
@@ -17,7 +17,7 @@ distribution of the first L tokens a speculative decoder emits:
 
 The drafter is autoregressive when q depends on the tokens drafted in the same step, and
 parallel when it depends only on the context and the depth. With greedy drafting each
-position drafts the arg-max of q (features still from the soft q, spec section 2) and is
+position drafts the arg-max of q (features still from the soft q, docs/algorithm.md section 2) and is
 verified as a point mass.
 """
 
@@ -105,10 +105,10 @@ def _plan_all(log_q, slope, intercepts, cost, pstate, *, policy, explore_every):
   estate = est.init()._replace(slope=jnp.asarray(slope, jnp.float32),
                                intercepts=jnp.asarray(intercepts, jnp.float32))
   probs = est.predict(estate, av_jax.logit_qmax(log_q))                # [N, K]
-  planner = av_jax.make_planner(cost, policy=policy, explore_every=explore_every)
+  planner = av_jax.make_planner(policy=policy, explore_every=explore_every)
 
   def one(p):
-    plan, new_state = planner.plan(pstate, p[None, :])                 # batch of one
+    plan, new_state = planner.plan(pstate, p[None, :], cost)           # batch of one
     return plan.num_verified[0], new_state, plan.budget
 
   return jax.vmap(one)(probs)
@@ -157,7 +157,7 @@ def plan_outcomes(toy: Toy, context: Prefix, pstate, *, policy, explore_every=0)
 
 
 def verification_outcomes(toy: Toy, context: Prefix, drafts, qs, m):
-  """[(emitted tokens, probability)] of verifying the first m drafts (spec section 6)."""
+  """[(emitted tokens, probability)] of verifying the first m drafts (docs/algorithm.md section 6)."""
   out = []
   reach = 1.0
   for i in range(m):
@@ -188,7 +188,7 @@ def emitted_law(toy: Toy, num_tokens: int, *, policy: str, pstate=None, explore_
   `pstate` is the planner state at the first step (default: `init()` of the planner).
   """
   if pstate is None:
-    pstate = av_jax.make_planner(toy.cost, policy=policy).init()
+    pstate = av_jax.make_planner(policy=policy).init()
   memo = {} if _memo is None else _memo
   key = (context, num_tokens, int(pstate.budget), int(pstate.step))
   if key in memo:

@@ -8,6 +8,7 @@ import pytest
 
 import av_jax
 from av_jax import features as F
+from av_jax import sampling as S
 
 
 def _ref_scaled(logits, temperature=1.0, top_p=1.0):
@@ -202,7 +203,7 @@ def test_top_p_bisection_equals_sort_definition(maybe_jit, top_p):
       np.full((2, 300), 1.0),                             # uniform
   ]).astype(np.float32)
   log_probs = jax.nn.log_softmax(jnp.asarray(logits))
-  got = maybe_jit(lambda lp: F._top_p_mask(lp, jnp.float32(top_p)))(log_probs)
-  want = F._top_p_mask_by_sort(log_probs, jnp.float32(top_p))
+  got = maybe_jit(lambda lp: S._top_p_mask(lp, jnp.float32(top_p)))(log_probs)
+  want = S._top_p_mask_by_sort(log_probs, jnp.float32(top_p))
   np.testing.assert_array_equal(got, want)
   assert np.all(np.asarray(got).sum(-1) >= 1)

@@ -157,22 +157,22 @@ def test_planner_policies():
   want_budget = int(av_jax.choose_budget(surv, cost, active=active))
   assert 0 < want_budget < 3 * K
 
-  fixed = av_jax.make_planner(cost, policy="fixed")
-  plan, _ = fixed.plan(fixed.init(), probs, active=active)
+  fixed = av_jax.make_planner(policy="fixed")
+  plan, _ = fixed.plan(fixed.init(), probs, cost, active=active)
   np.testing.assert_array_equal(plan.num_verified, [K, K, 0, K])
-  none = av_jax.make_planner(cost, policy="none")
-  plan, _ = none.plan(none.init(), probs, active=active)
+  none = av_jax.make_planner(policy="none")
+  plan, _ = none.plan(none.init(), probs, cost, active=active)
   np.testing.assert_array_equal(plan.num_verified, [0, 0, 0, 0])
 
-  current = av_jax.make_planner(cost, policy="current", explore_every=0)
-  plan, _ = current.plan(current.init(), probs, active=active)
+  current = av_jax.make_planner(policy="current", explore_every=0)
+  plan, _ = current.plan(current.init(), probs, cost, active=active)
   assert int(plan.budget) == want_budget == int(plan.num_verified.sum())
 
-  lagged = av_jax.make_planner(cost, policy="lagged", explore_every=0, initial_budget=1)
+  lagged = av_jax.make_planner(policy="lagged", explore_every=0, initial_budget=1)
   state = lagged.init()
-  plan, state = jax.jit(lagged.plan)(state, probs, active=active)
+  plan, state = jax.jit(lagged.plan)(state, probs, cost, active=active)
   assert int(plan.num_verified.sum()) == 1           # the initial budget
-  plan, state = jax.jit(lagged.plan)(state, jnp.full((B, K), 0.1), active=active)
+  plan, state = jax.jit(lagged.plan)(state, jnp.full((B, K), 0.1), cost, active=active)
   assert int(plan.num_verified.sum()) == want_budget  # last step's survivals decide
   assert int(state.step) == 2
 
@@ -180,12 +180,12 @@ def test_planner_policies():
 def test_planner_exploration_round_robin_is_draw_independent():
   B, K = 3, 4
   cost = av_jax.linear_cost_model(B, B * (K + 1), verify_fixed=0.0, verify_per_token=100.0)
-  planner = av_jax.make_planner(cost, policy="current", explore_every=2)
+  planner = av_jax.make_planner(policy="current", explore_every=2)
   state = planner.init()
   explored = []
   for t in range(12):
     probs = jax.random.uniform(jax.random.PRNGKey(t), (B, K), minval=0.001, maxval=0.01)
-    plan, state = planner.plan(state, probs)
+    plan, state = planner.plan(state, probs, cost)
     assert int(plan.budget) == 0  # verification is prohibitively dear
     explored.append(np.asarray(plan.explored))
     np.testing.assert_array_equal(plan.num_verified, np.where(plan.explored, K, 0))
@@ -204,18 +204,18 @@ def test_exact_policy_table():
   with pytest.raises(ValueError, match="drafter_kind"):
     av_jax.exact_policy(drafter_kind="tree", greedy=False)
   with pytest.raises(ValueError, match="policy"):
-    av_jax.make_planner(av_jax.linear_cost_model(1, 2), policy="bogus")
+    av_jax.make_planner(policy="bogus")
 
 
 def test_planner_does_not_retrace():
   B, K = 8, 4
   cost = av_jax.linear_cost_model(B, B * (K + 1))
-  planner = av_jax.make_planner(cost, policy="lagged")
+  planner = av_jax.make_planner(policy="lagged")
 
   @jax.jit
   @chex.assert_max_traces(n=1)
   def step(state, probs, active):
-    return planner.plan(state, probs, active=active)
+    return planner.plan(state, probs, cost, active=active)
 
   state = planner.init()
   for t in range(5):
@@ -237,9 +237,9 @@ def test_selection_and_planner_under_vmap():
     assert int(budgets[g]) == _brute_budget(np.asarray(surv[g]), np.asarray(active[g]), cost)
     np.testing.assert_array_equal(masks[g], _brute_allocate(np.asarray(surv[g]), int(budgets[g]),
                                                             np.asarray(active[g])))
-  planner = av_jax.make_planner(cost, policy="current", explore_every=0)
+  planner = av_jax.make_planner(policy="current", explore_every=0)
   probs = jnp.concatenate([surv[:, :, :1], surv[:, :, 1:] / surv[:, :, :-1]], axis=-1)
-  plans, _ = jax.vmap(lambda p, a: planner.plan(planner.init(), p, active=a))(probs, active)
+  plans, _ = jax.vmap(lambda p, a: planner.plan(planner.init(), p, cost, active=a))(probs, active)
   np.testing.assert_array_equal(plans.mask, masks)
 
 
@@ -248,20 +248,20 @@ def test_draft_gate_closes_reopens_at_recheck_and_refuses_bad_intervals():
   # Drafting dearer than anything verification can earn: the gate closes after a step
   # that drafted, stays closed, and re-checks every `recheck_every` steps.
   cost = av_jax.make_cost_model(np.full(B + 1, 100.0), 1.0 + 0.1 * np.arange(B * (K + 1) + 1))
-  planner = av_jax.make_planner(cost, policy="current", explore_every=2,
+  planner = av_jax.make_planner(policy="current", explore_every=2,
                                 skip_unprofitable_drafts=True, recheck_every=4)
   state = planner.init()
   drafted = []
   for _ in range(9):
     drafting = planner.should_draft(state)
     drafted.append(bool(drafting))
-    plan, state = planner.plan(state, jnp.full((B, K), 0.9), drafted=drafting)
+    plan, state = planner.plan(state, jnp.full((B, K), 0.9), cost, drafting=drafting)
     if not drafting:
       assert int(plan.num_verified.sum()) == 0
   assert drafted == [True, False, False, False, True, False, False, False, True]
   # Without the option every step drafts.
-  plain = av_jax.make_planner(cost, policy="current", explore_every=2)
+  plain = av_jax.make_planner(policy="current", explore_every=2)
   assert bool(plain.should_draft(plain.init()))
   with pytest.raises(ValueError, match="recheck_every"):
-    av_jax.make_planner(cost, policy="current", explore_every=2,
+    av_jax.make_planner(policy="current", explore_every=2,
                         skip_unprofitable_drafts=True, recheck_every=3)

@@ -5,11 +5,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from av_jax.decision import decision_step
+from av_jax.decision import decision_step, make_decider
 from av_jax.decision_reference import DecisionConfig, NumpyDecision, flatten_state
-from av_jax.estimator import online_estimator
-from av_jax.planner import make_planner
-from av_jax.selection import make_cost_model
+from av_jax.estimator import EstimatorConfig
+from av_jax.planner import PlannerConfig
 
 B, K, V = 6, 3, 50
 
@@ -18,7 +17,8 @@ def _config(policy: str, max_step: float = 2.0) -> DecisionConfig:
   tokens = np.arange(B * (K + 1) + 1)
   return DecisionConfig(num_positions=K, draft_ms=(1.0,) * (B + 1),
                         verify_ms=tuple(2.0 + 1.5 / B * tokens), policy=policy,
-                        refit_interval=2, explore_every=3, max_step=max_step)
+                        estimator=EstimatorConfig(refit_interval=2, max_step=max_step),
+                        planner=PlannerConfig(explore_every=3))
 
 
 def _steps(num_steps: int, seed: int = 0):
@@ -43,7 +43,8 @@ def test_jitted_decision_matches_numpy_reference(policy, max_step):
   state, ref_state = decide.init(B), reference.init(B)
   for inputs in _steps(7):
     plan, state = decide.step(state, *(jnp.asarray(inputs[k]) for k in
-                                       ("logits", "accepted", "labeled", "active")))
+                                       ("logits", "accepted", "labeled", "active")),
+                              config.cost())
     num_verified, mask, budget, ref_state = reference.step(
         ref_state, inputs["logits"], inputs["accepted"], inputs["labeled"], inputs["active"])
     np.testing.assert_array_equal(plan.num_verified, num_verified)
@@ -60,16 +61,15 @@ def test_jitted_decision_matches_numpy_reference(policy, max_step):
 def test_unjitted_step_equals_jitted():
   config = _config("current")
   decide = config.jax_decision(donate=False)
-  # The pieces make_decision closes over, rebuilt to call decision_step eagerly.
-  estimator = online_estimator(K, refit_interval=config.refit_interval)
-  planner = make_planner(make_cost_model(config.draft_ms, config.verify_ms),
-                         policy=config.policy, explore_every=config.explore_every)
+  # The decider make_decision closes over, rebuilt to call decision_step eagerly.
+  decider = make_decider(K, policy=config.policy, estimator=config.estimator,
+                         planner=config.planner)
   state = eager_state = decide.init(B)
   for inputs in _steps(3, seed=1):
     args = [jnp.asarray(inputs[k]) for k in ("logits", "accepted", "labeled", "active")]
+    args.append(config.cost())
     plan, state = decide.step(state, *args)
-    eager_plan, eager_state = decision_step(eager_state, *args, estimator=estimator,
-                                            planner=planner)
+    eager_plan, eager_state = decision_step(eager_state, *args, decider=decider)
     np.testing.assert_array_equal(plan.num_verified, eager_plan.num_verified)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
                  state, eager_state)
@@ -79,4 +79,4 @@ def test_rejects_wrong_draft_length():
   decide = _config("current").jax_decision()
   with pytest.raises(ValueError, match="K=3"):
     decide.step(decide.init(B), jnp.zeros((B, K + 1, V)), jnp.zeros((B, K), bool),
-                jnp.zeros((B, K), bool), jnp.ones((B,), bool))
+                jnp.zeros((B, K), bool), jnp.ones((B,), bool), _config("current").cost())

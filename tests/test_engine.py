@@ -140,12 +140,12 @@ def test_unprofitable_drafting_is_skipped_and_output_unchanged(kind, mode):
   result = E.generate(engine, params, PROMPTS, max_new_tokens=MAX_NEW, key=fx.key(0),
                       cost=cost, keep_infos=True)
   assert [c.tokens for c in result.completions] == want
-  drafted = np.concatenate([i.drafted for i in result.infos])
+  drafted = np.concatenate([i.drafting for i in result.infos])
   steps = np.arange(drafted.size)
   np.testing.assert_array_equal(drafted, steps % 6 == 0)
   # Free drafting never closes the gate.
   free = make_cost_model(np.full(B + 1, 1e-3), 1.0 + 0.02 * np.arange(B * (K + 1) + 1))
   result = E.generate(engine, params, PROMPTS, max_new_tokens=MAX_NEW, key=fx.key(0),
                       cost=free, keep_infos=True)
-  assert all(i.drafted.all() for i in result.infos)
+  assert all(i.drafting.all() for i in result.infos)
   assert [c.tokens for c in result.completions] == want

@@ -91,7 +91,7 @@ def test_skipping_unprofitable_drafts_keeps_the_target_distribution():
   cost = make_cost_model(np.full(B + 1, 1.0), 1.0 + 0.002 * np.arange(B * (K + 1) + 1))
   result = E.generate(engine, params, [PROMPT] * NUM_REQUESTS, max_new_tokens=3,
                       key=fx.key(12), cost=cost, keep_infos=True)
-  drafted = np.concatenate([i.drafted[i.active > 0] for i in result.infos])
+  drafted = np.concatenate([i.drafting[i.active > 0] for i in result.infos])
   assert drafted.any() and not drafted.all()
   tokens = np.array([c.tokens for c in result.completions])
   m1, m2 = _exact_marginals(cfg, params.target, 1.0)

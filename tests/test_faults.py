@@ -22,7 +22,7 @@ import pytest
 import av_jax
 from av_jax import engine as E
 from av_jax import metrics
-from av_jax.decision import decision_step, init_decision_state
+from av_jax.decision import decision_step, make_decider
 from av_jax.engine import batching as G
 from av_jax.engine import profile as prof
 from av_jax.models.drafters import Drafter
@@ -112,10 +112,7 @@ def _verify_all_cost() -> av_jax.CostModel:
 
 
 def _estimator(config: E.EngineConfig):
-  return av_jax.online_estimator(config.max_draft, refit_interval=config.refit_interval,
-                                 damping=config.damping, l2=config.l2,
-                                 init_slope=config.init_slope,
-                                 init_intercept=config.init_intercept)
+  return av_jax.online_estimator(config.max_draft, config.estimator)
 
 
 def _want(prompts, max_new):
@@ -313,12 +310,12 @@ def test_planner_never_divides_by_zero():
 
   @functools.partial(jax.jit, static_argnames="policy")
   def plan(cost, state, probs, active, *, policy):  # the table is data: one compile
-    return av_jax.make_planner(cost, policy=policy).plan(state, probs, active=active)
+    return av_jax.make_planner(policy=policy).plan(state, probs, cost, active=active)
 
   with jax.debug_nans(True):  # any NaN (0 / 0) raises
     for cost in (floored, raw_zero, repaired):
       for policy in ("current", "lagged"):
-        state = av_jax.make_planner(cost, policy=policy).init()
+        state = av_jax.make_planner(policy=policy).init()
         for _ in range(3):
           probs = rng.uniform(0, 1, (Bs, Ks)).astype(np.float32)
           active = rng.uniform(size=Bs) < 0.7
@@ -435,10 +432,10 @@ SOAK_WORKLOADS = np.array([[0.6, 1.5, 1.0, 0.5, 0.0],
 
 @functools.lru_cache(maxsize=None)
 def _soak_fn():
-  est = av_jax.online_estimator(SOAK_K, refit_interval=20)
-  planner = av_jax.make_planner(
-      av_jax.linear_cost_model(SOAK_B, SOAK_B * (SOAK_K + 1), verify_per_token=0.02),
-      policy="current")
+  decider = make_decider(SOAK_K, policy="current",
+                         estimator=av_jax.EstimatorConfig(refit_interval=20))
+  est = decider.estimator
+  cost = av_jax.linear_cost_model(SOAK_B, SOAK_B * (SOAK_K + 1), verify_per_token=0.02)
   workloads = jnp.asarray(SOAK_WORKLOADS)
   Bs, Ks = SOAK_B, SOAK_K
 
@@ -452,11 +449,11 @@ def _soak_fn():
     logits = 2.0 * jnp.exp(0.7 * noise[..., :1]) * noise[..., 1:]
     # The decision learns from the previous step's labels, then plans this step.
     plan, state = decision_step(state, logits, accepted, labeled, jnp.ones((Bs,), bool),
-                                estimator=est, planner=planner)
+                                cost, decider=decider)
     probs = est.predict(state.estimator, state.features)  # what the planner was served
     true_probs = jax.nn.sigmoid(true[0] * state.features + true[1:])
     ok = jax.random.uniform(k_accept, (Bs, Ks)) < true_probs
-    # Labels (spec section 6): verified positions up to and including the first rejection.
+    # Labels (docs/algorithm.md section 6): verified positions up to and including the first rejection.
     verified = jnp.arange(Ks)[None] < plan.num_verified[:, None]
     reached = jnp.cumprod(jnp.concatenate([jnp.ones((Bs, 1), bool), ok[:, :-1]], 1), 1)
     labeled = verified & reached.astype(bool)
@@ -467,7 +464,7 @@ def _soak_fn():
   @jax.jit
   def soak(key):
     zeros = jnp.zeros((Bs, Ks), bool)
-    carry = (init_decision_state(est, planner, batch_size=Bs), zeros, zeros)
+    carry = (decider.init(Bs), zeros, zeros)
     _, out = jax.lax.scan(body, carry, (jax.random.split(key, SOAK_STEPS),
                                         jnp.arange(SOAK_STEPS)))
     return out

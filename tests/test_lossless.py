@@ -1,4 +1,4 @@
-"""Losslessness end to end (spec section 5): exact enumeration and a large-sample check.
+"""Losslessness end to end (docs/algorithm.md section 5): exact enumeration and a large-sample check.
 
 The exact tests enumerate every draft and verification outcome of tiny toys (tests/_toy.py)
 in float64, with the number of verified tokens decided by the real av_jax features,
@@ -163,7 +163,7 @@ def test_random_instances_current_policy_is_biased_for_some_autoregressive_draft
 N = 2**18
 
 
-def _stationary_counterexample_step(key, pstate, *, planner, K=2):
+def _stationary_counterexample_step(key, pstate, *, planner, cost, K=2):
   """One decode step of the counterexample's tables (the same tables at every step)."""
   q1 = jnp.array([0.2, 0.8])
   q2 = jnp.array([[0.95, 0.05], [0.55, 0.45]])            # row = x1
@@ -177,7 +177,7 @@ def _stationary_counterexample_step(key, pstate, *, planner, K=2):
   est = av_jax.online_estimator(K)
   estate = est.init()._replace(slope=jnp.float32(1.0), intercepts=jnp.zeros((K,)))
   probs = est.predict(estate, av_jax.logit_qmax(draft_logits))
-  plan, pstate = planner.plan(pstate, probs)
+  plan, pstate = planner.plan(pstate, probs, cost)
   out = av_jax.rejection_sample(
       k3, draft_probs=jax.nn.softmax(draft_logits, -1), draft_tokens=jnp.stack([x1, x2])[None],
       target_probs=jnp.stack([p1, p2[x1], p3])[None], num_verified=plan.num_verified)
@@ -186,12 +186,14 @@ def _stationary_counterexample_step(key, pstate, *, planner, K=2):
 
 @functools.partial(jax.jit, static_argnames="policy")
 def _two_engine_steps(keys, *, policy):
-  planner = av_jax.make_planner(_toy.cost_for_one_request([1.0, 1.85, 2.3]), policy=policy)
+  planner = av_jax.make_planner(policy=policy)
+  cost = _toy.cost_for_one_request([1.0, 1.85, 2.3])
 
   def run(key):
     k0, k1 = jax.random.split(key)
-    _, _, pstate = _stationary_counterexample_step(k0, planner.init(), planner=planner)
-    out, plan, _ = _stationary_counterexample_step(k1, pstate, planner=planner)
+    _, _, pstate = _stationary_counterexample_step(k0, planner.init(), planner=planner,
+                                                   cost=cost)
+    out, plan, _ = _stationary_counterexample_step(k1, pstate, planner=planner, cost=cost)
     return out.tokens[0, 0], plan.num_verified[0], plan.explored[0]
 
   return jax.vmap(run)(keys)
@@ -211,15 +213,15 @@ def test_engine_path_first_token_frequency(policy, p_a):
 
 
 # ----------------------------------------------------------------------------------------
-# Exploration rescues a pessimistic estimator (spec section 7, failure modes).
+# Exploration rescues a pessimistic estimator (docs/algorithm.md section 7, failure modes).
 
 
 @functools.partial(jax.jit, static_argnames=("explore_every", "num_steps"))
 def _stream(key, *, explore_every, num_steps, B=8, K=3, V=8):
   est = av_jax.online_estimator(K, refit_interval=20, init_intercept=-5.0)
   cost = av_jax.linear_cost_model(B, B * (K + 1), verify_per_token=0.02)
-  planner = av_jax.make_planner(cost, policy=av_jax.exact_policy(drafter_kind="parallel",
-                                                                  greedy=False),
+  planner = av_jax.make_planner(policy=av_jax.exact_policy(drafter_kind="parallel",
+                                                            greedy=False),
                                 explore_every=explore_every)
 
   def step(carry, key):
@@ -233,7 +235,7 @@ def _stream(key, *, explore_every, num_steps, B=8, K=3, V=8):
     draft_probs = jax.nn.softmax(draft_logits, -1)
     drafts = jax.random.categorical(kx, draft_logits, axis=-1)
     features = av_jax.logit_qmax(draft_logits)
-    plan, pstate = planner.plan(pstate, est.predict(estate, features))
+    plan, pstate = planner.plan(pstate, est.predict(estate, features), cost)
     out = av_jax.rejection_sample(kr, draft_probs=draft_probs, draft_tokens=drafts,
                                   target_probs=target_probs, num_verified=plan.num_verified)
     estate = est.update(estate, features, out.accepted, out.labeled)

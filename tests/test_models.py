@@ -149,7 +149,7 @@ def _drafter_setup(kind, b=3, plen=6, k=4, seed=0):
 def test_drafter_output_shapes(kind):
   b, k = 3, 4
   d, params, state = _drafter_setup(kind, b=b, k=k)
-  assert d.kind == kind and d.mode == models.MODES[kind]
+  assert d.kind == kind and d.drafting == models.DRAFTING[kind]
   draft = jax.jit(d.draft, static_argnames="K")
   out = draft(params, TARGET, state, jax.random.key(0), K=k, temperature=1.0, top_p=0.95)
   chex.assert_shape(out.logits, (b, k, V))
@@ -169,7 +169,7 @@ def test_drafter_output_shapes(kind):
 
 
 def test_modes():
-  assert models.MODES == {"draft_lm": "autoregressive", "eagle": "autoregressive",
+  assert models.DRAFTING == {"draft_lm": "autoregressive", "eagle": "autoregressive",
                           "block": "parallel", "block_head": "parallel"}
 
 

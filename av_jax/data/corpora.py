@@ -16,6 +16,8 @@ import random
 import sysconfig
 from typing import Iterator, NamedTuple
 
+from pydoc_data import topics
+
 # Stdlib directories that are mostly tests, vendored data or generated tables.
 _SKIP_DIRS = ("test", "tests", "idlelib", "site-packages", "turtledemo", "lib2to3",
               "ensurepip", "__pycache__", "encodings", "pydoc_data", "unittest")
@@ -88,7 +90,6 @@ def prose_documents() -> Iterator[Document]:
   Docstrings of one module form one document whose id is the module's path, the same id
   as its `code` document, so both fall in the same split.
   """
-  from pydoc_data import topics  # pylint: disable=g-import-not-at-top
   for name in sorted(topics.topics):
     yield Document(f"topics/{name}", topics.topics[name])
   for rel, path in _stdlib_files():

@@ -1,6 +1,6 @@
 """Batched speculative-decoding engine with Adaptive Verification (see `core`)."""
 
-from av_jax.engine.core import MODES
+from av_jax.arms import ARMS
 from av_jax.engine.core import DecodeState
 from av_jax.engine.core import Engine
 from av_jax.engine.core import EngineConfig
@@ -18,13 +18,13 @@ from av_jax.engine.batching import GenerateResult
 from av_jax.engine.batching import generate
 
 __all__ = (
+    "ARMS",
     "Completion",
     "DecodeState",
     "Engine",
     "EngineConfig",
     "EngineStats",
     "GenerateResult",
-    "MODES",
     "Params",
     "StepInfo",
     "default_cost",

@@ -18,9 +18,11 @@ from typing import Callable, Sequence
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from av_jax.engine import core
 from av_jax.engine import distributed
+from av_jax.engine import sharding
 from av_jax.selection import CostModel
 
 
@@ -68,8 +70,6 @@ _SHARDED: dict = {}
 def compiled_sharded(engine: core.Engine, mesh, params: core.Params,
                      state: core.DecodeState):
   """Jitted (prefill, run_chunk) with explicit in/out shardings over `mesh`."""
-  from jax.sharding import NamedSharding, PartitionSpec
-  from av_jax.engine import sharding
   key = (engine, mesh, jax.tree.structure(params))
   if key not in _SHARDED:
     params_sh = sharding.param_shardings(mesh, params)
@@ -144,7 +144,6 @@ def generate(engine: core.Engine, params: core.Params, prompts: Sequence[Sequenc
     A `GenerateResult`.
   """
   if mesh is not None:
-    from av_jax.engine import sharding
     engine = sharding.for_mesh(engine, mesh)  # one verify group per 'data' shard
   cfg = engine.config
   B = cfg.num_slots
@@ -171,7 +170,6 @@ def generate(engine: core.Engine, params: core.Params, prompts: Sequence[Sequenc
   owner = [-1] * B  # request index held by each slot
   cost = core.default_cost(cfg) if cost is None else cost
   if mesh is not None:
-    from av_jax.engine import sharding
     sharding.check_divisible(engine, mesh)
     params = sharding.put(params, sharding.param_shardings(mesh, params))
     if state is None and resume_from is None:
@@ -180,7 +178,7 @@ def generate(engine: core.Engine, params: core.Params, prompts: Sequence[Sequenc
   if state is None:
     state = init(params, key, cost)
   if resume_from is not None:
-    from av_jax.engine import checkpoint
+    from av_jax.engine import checkpoint  # deferred: orbax is heavy, needed only here
     state, extra = checkpoint.restore(resume_from, engine=engine, like=state)
     if extra.get("num_requests") != len(prompts):
       raise ValueError(f"resume_from: the checkpoint holds {extra.get('num_requests')} "
@@ -230,7 +228,7 @@ def generate(engine: core.Engine, params: core.Params, prompts: Sequence[Sequenc
     if stop_after_chunks is not None and chunks >= stop_after_chunks:
       stopped = True
       if checkpoint_path is not None:
-        from av_jax.engine import checkpoint
+        from av_jax.engine import checkpoint  # deferred: orbax is heavy, needed only here
         checkpoint.save(checkpoint_path, state, engine=engine, extra=dict(
             num_requests=len(prompts), owner=owner, waiting=waiting,
             completions=[None if c is None else dataclasses.asdict(c) for c in completions]))
@@ -245,7 +243,7 @@ def generate(engine: core.Engine, params: core.Params, prompts: Sequence[Sequenc
 
   s = distributed.fetch(state.stats)
   stats = dict(steps=int(s.steps), emitted=int(s.emitted), verified=int(s.verified),
-               drafted=int(s.drafted), nonfinite=int(s.nonfinite),
+               draft_tokens=int(s.draft_tokens), nonfinite=int(s.nonfinite),
                accepted=int(s.accepted_at.sum()), labeled=int(s.labeled_at.sum()),
                acceptance_at=(s.accepted_at / np.maximum(s.labeled_at, 1)).tolist(),
                bucket_hist=s.bucket_hist.tolist())

@@ -26,61 +26,100 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from av_jax.estimator import EstimatorState, online_estimator
-from av_jax.features import FEATURES, logit_qmax, sampling_log_probs
+from av_jax.arms import ARMS, Arm, get_arm, policy_for
+from av_jax.decision import Decider, DecisionState, make_decider
+from av_jax.estimator import EstimatorConfig, EstimatorState
+from av_jax.features import FEATURES, logit_qmax
 from av_jax.models import transformer
 from av_jax.models.config import ModelsConfig
-from av_jax.models.drafters import DraftOutput, Drafter, DrafterState
+from av_jax.models.drafters import Drafter, DrafterState, insert_slot, keep_inactive
 from av_jax.models.sampling import sample_tokens, sampling_probs
-from av_jax.planner import PlannerState, exact_policy, is_exact, make_planner
+from av_jax.planner import PlannerConfig, PlannerState
 from av_jax.rejection import RejectionResult, rejection_sample
+from av_jax.sampling import Sampling, sampling_log_probs
 from av_jax.selection import CostModel, linear_cost_model
 
-MODES = ("target_only", "fixed", "av", "av_head", "oracle")
 # Features recorded per draft token when `EngineConfig.record_features` is on (studies):
 # every registered feature, lossless and lossy, in this order along StepInfo.extra's last axis.
 RECORDED_FEATURES = tuple(FEATURES)
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
+# The flat keyword arguments `EngineConfig` still takes (and reads back as properties):
+# {name: (group, field)}, e.g. `EngineConfig(temperature=0.0)` sets `sampling.temperature`.
+_FLAT = {
+    "temperature": ("sampling", "temperature"),
+    "top_p": ("sampling", "top_p"),
+    "refit_interval": ("estimator", "refit_interval"),
+    "damping": ("estimator", "damping"),
+    "l2": ("estimator", "l2"),
+    "init_slope": ("estimator", "init_slope"),
+    "init_intercept": ("estimator", "init_intercept"),
+    "explore_every": ("planner", "explore_every"),
+    "skip_unprofitable_drafts": ("planner", "skip_unprofitable_drafts"),
+    "draft_recheck_every": ("planner", "recheck_every"),
+}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, init=False)
 class EngineConfig:
-  """Static engine settings (one compiled program set per config)."""
+  """Static engine settings (one compiled program set per config).
+
+  The engine's own shape settings, plus the sampling, estimator and planner settings as
+  nested configs. The flat names of `_FLAT` are accepted as keyword arguments and read
+  back as properties (`EngineConfig(temperature=0.0).temperature`), so
+  `dataclasses.replace(config, temperature=0.0)` works too.
+  """
   num_slots: int = 8             # B, concurrent request slots
   max_draft: int = 8             # K, maximum draft length
   max_len: int = 512             # M, cache positions per slot (prompt + output + K + 1)
-  mode: str = "av"               # one of MODES
-  temperature: float = 1.0       # sampling temperature of draft and target; 0 = greedy
-  top_p: float = 1.0             # nucleus mass of draft and target sampling
+  mode: str = "av"               # the arm, one of `av_jax.arms.ARMS`
   policy: str | None = None      # planner budget policy; None = the exact one for the drafter
   num_buckets: int = 4           # static packed-token sizes between B and B*(K+1)
   buckets: tuple[int, ...] | None = None  # explicit bucket sizes (override num_buckets)
-  refit_interval: int = 100      # estimator round length N (steps)
-  damping: float = 50.0          # estimator evidence damping c
-  l2: float = 1e-3               # estimator ridge
-  init_slope: float = 0.5        # estimator starting slope
-  init_intercept: float = 1.5    # estimator starting intercepts
-  explore_every: int = 4         # one slot verifies all K every this many steps
   eos_id: int = -1               # end-of-sequence token (-1: none)
   steps_per_chunk: int = 16      # decode steps per `run_chunk` (host sync granularity)
   record_features: bool = False  # StepInfo.extra holds every RECORDED_FEATURES (studies)
-  skip_unprofitable_drafts: bool = True  # AV, parallel drafters: no drafting while it
-                                         # does not pay (re-checked every
-  draft_recheck_every: int | None = None  # this many steps; None: 4 x explore_every)
   verify_groups: int | None = None  # G, verification packs G contiguous groups of B/G slots
                                     # separately (data-parallel when G is a multiple of the
                                     # mesh's 'data' size); None: 1, or under
                                     # `generate(mesh=...)` the 'data' size
+  sampling: Sampling = Sampling()  # temperature (0: greedy) and top-p of draft and target
+  estimator: EstimatorConfig = EstimatorConfig()  # the online estimator's settings
+  # The planner's settings. `skip_unprofitable_drafts`: AV with a parallel drafter does
+  # not draft while it does not pay, re-checking every `recheck_every` steps (None: 4 x
+  # explore_every); other arms and drafters ignore it.
+  planner: PlannerConfig = PlannerConfig(skip_unprofitable_drafts=True)
+
+  def __init__(self, **settings):
+    groups: dict[str, dict] = {}
+    for name, (group, field) in _FLAT.items():
+      if name in settings:
+        groups.setdefault(group, {})[field] = settings.pop(name)
+    fields = {f.name: f for f in dataclasses.fields(self)}
+    for group, values in groups.items():
+      base = settings.get(group, fields[group].default)
+      settings[group] = dataclasses.replace(base, **values)
+    unknown = sorted(set(settings) - set(fields))
+    if unknown:
+      raise TypeError(f"EngineConfig: unexpected settings {unknown}; expected fields "
+                      f"{sorted(fields)} or flat names {sorted(_FLAT)}")
+    for name, f in fields.items():
+      object.__setattr__(self, name, settings.get(name, f.default))
+    self.__post_init__()
 
   def __post_init__(self):
-    if self.mode not in MODES:
-      raise ValueError(f"mode: expected one of {MODES}, got {self.mode!r}")
+    if self.mode not in ARMS:
+      raise ValueError(f"mode: expected one of {tuple(ARMS)}, got {self.mode!r}")
     if self.num_slots < 1 or self.max_draft < 1:
       raise ValueError(f"num_slots and max_draft: expected >= 1, got "
                        f"{self.num_slots}, {self.max_draft}")
     if self.max_len < self.max_draft + 3:
       raise ValueError(f"max_len: expected >= max_draft + 3, got {self.max_len}")
-    if not 0.0 < self.top_p <= 1.0:
-      raise ValueError(f"top_p: expected a value in (0, 1], got {self.top_p}")
+    for group, kind in (("sampling", Sampling), ("estimator", EstimatorConfig),
+                        ("planner", PlannerConfig)):
+      if not isinstance(getattr(self, group), kind):
+        raise ValueError(f"{group}: expected a {kind.__name__}, got "
+                         f"{getattr(self, group)!r}")
     if self.verify_groups is not None:
       if (isinstance(self.verify_groups, bool)
           or not isinstance(self.verify_groups, (int, np.integer))):
@@ -95,7 +134,7 @@ class EngineConfig:
 
   @property
   def greedy(self) -> bool:
-    return self.temperature <= 0
+    return self.sampling.greedy
 
   @property
   def groups(self) -> int:
@@ -139,7 +178,7 @@ class EngineStats(NamedTuple):
   steps: jax.Array            # [] int32, decode steps run
   emitted: jax.Array          # [] int32, tokens emitted (after stops)
   verified: jax.Array         # [] int32, draft tokens verified
-  drafted: jax.Array          # [] int32, draft tokens proposed for active slots
+  draft_tokens: jax.Array     # [] int32, K per active slot-step (draft tokens proposed)
   accepted_at: jax.Array      # [K] int32, accepted drafts per position
   labeled_at: jax.Array       # [K] int32, labelled drafts per position
   bucket_hist: jax.Array      # [num_buckets] int32, steps per bucket
@@ -161,6 +200,11 @@ class DecodeState(NamedTuple):
   key: jax.Array                     # PRNG key
   stats: EngineStats                 # running totals
 
+  @property
+  def decision(self) -> DecisionState:
+    """The decision's state (estimator and planner) as the decider's verbs take it."""
+    return DecisionState(estimator=self.estimator, planner=self.planner)
+
 
 class StepInfo(NamedTuple):
   """Per-step record returned by `run_chunk` (stacked over the chunk's steps)."""
@@ -176,7 +220,8 @@ class StepInfo(NamedTuple):
   labeled: jax.Array       # [B, K] bool
   slot_active: jax.Array   # [B] bool
   extra: jax.Array         # [B, K, F] float32, RECORDED_FEATURES (F = 0 unless recording)
-  drafted: jax.Array       # [] bool, the step drafted (False: target-only step)
+  drafting: jax.Array      # [] bool, the step drafted (False: target-only step)
+  num_verified: jax.Array  # [B] int32, drafts each slot fed to the target (the plan)
 
 
 class Params(NamedTuple):
@@ -189,11 +234,22 @@ class Engine(NamedTuple):
   config: EngineConfig
   models: ModelsConfig
   drafter: Drafter
-  policy: str
+  policy: str        # the exact budget policy for this drafter and temperature
+  arm: Arm           # what the engine drafts, scores and plans (`config.mode`)
+  decider: Decider   # the per-step decision, built once (`av_jax.decision`)
 
   @property
   def buckets(self) -> tuple[int, ...]:
     return self.config.bucket_sizes()
+
+
+def _flat_property(group: str, field: str) -> property:
+  return property(lambda self: getattr(getattr(self, group), field),
+                  doc=f"`{group}.{field}` (flat name kept for callers)")
+
+
+for _name, (_group, _field) in _FLAT.items():
+  setattr(EngineConfig, _name, _flat_property(_group, _field))
 
 
 def make_engine(config: EngineConfig, models: ModelsConfig, drafter: Drafter) -> Engine:
@@ -208,30 +264,23 @@ def make_engine(config: EngineConfig, models: ModelsConfig, drafter: Drafter) ->
     ValueError: `av_head` with a drafter that has no confidence head, or a lossy policy
       requested explicitly for a drafter where it is not exact.
   """
-  if config.mode == "av_head" and drafter.kind != "block_head":
+  arm = get_arm(config.mode)
+  if arm.head and drafter.kind != "block_head":
     raise ValueError(f"mode: 'av_head' needs a drafter with a confidence head, got "
                      f"{drafter.kind!r}")
-  policy = config.policy or exact_policy(drafter_kind=drafter.mode, greedy=config.greedy)
-  if not is_exact(policy, drafter_kind=drafter.mode, greedy=config.greedy):
-    raise ValueError(f"policy: {policy!r} is not lossless for a {drafter.mode} drafter with "
-                     f"temperature {config.temperature}; use "
-                     f"{exact_policy(drafter_kind=drafter.mode, greedy=config.greedy)!r}")
-  return Engine(config=config, models=models, drafter=drafter, policy=policy)
-
-
-def _estimator(cfg: EngineConfig):
-  return online_estimator(cfg.max_draft, refit_interval=cfg.refit_interval,
-                          damping=cfg.damping, l2=cfg.l2, init_slope=cfg.init_slope,
-                          init_intercept=cfg.init_intercept)
-
-
-def _planner(engine: Engine, cost: CostModel):
-  cfg = engine.config
-  policy = {"target_only": "none", "fixed": "fixed", "oracle": "fixed"}.get(cfg.mode,
-                                                                           engine.policy)
-  return make_planner(cost, policy=policy, explore_every=cfg.explore_every,
-                      recheck_every=cfg.draft_recheck_every,
-                      skip_unprofitable_drafts=_gated(engine))
+  policy = policy_for(ARMS["av"], drafting=drafter.drafting, greedy=config.greedy,
+                      requested=config.policy)
+  # Only parallel drafters may skip drafting: they keep no cache that a skipped step
+  # would leave behind.
+  gated = config.planner.skip_unprofitable_drafts and drafter.drafting == "parallel"
+  decider = make_decider(
+      config.max_draft, policy=policy_for(arm, drafting=drafter.drafting, greedy=config.greedy,
+                                          requested=policy),
+      head=arm.head, estimator=config.estimator,
+      planner=dataclasses.replace(config.planner,
+                                  skip_unprofitable_drafts=gated and arm.adaptive))
+  return Engine(config=config, models=models, drafter=drafter, policy=policy, arm=arm,
+                decider=decider)
 
 
 def default_cost(cfg: EngineConfig) -> CostModel:
@@ -244,7 +293,7 @@ def default_cost(cfg: EngineConfig) -> CostModel:
 def _empty_stats(cfg: EngineConfig) -> EngineStats:
   zero = jnp.zeros((), jnp.int32)
   zk = jnp.zeros((cfg.max_draft,), jnp.int32)
-  return EngineStats(steps=zero, emitted=zero, verified=zero, drafted=zero, accepted_at=zk,
+  return EngineStats(steps=zero, emitted=zero, verified=zero, draft_tokens=zero, accepted_at=zk,
                      labeled_at=zk, nonfinite=zero,
                      bucket_hist=jnp.zeros((len(cfg.bucket_sizes()),), jnp.int32))
 
@@ -263,6 +312,7 @@ def init_state(engine: Engine, params: Params, key: jax.Array,
   cfg, models = engine.config, engine.models
   B, K, M = cfg.num_slots, cfg.max_draft, cfg.max_len
   cost = default_cost(cfg) if cost is None else cost
+  decision = engine.decider.init()
   one = jnp.zeros((B, 1), jnp.int32)
   hidden = jnp.zeros((B, 1, models.target.d_model), jnp.float32)
   drafter = engine.drafter.init_state(
@@ -277,30 +327,11 @@ def init_state(engine: Engine, params: Params, key: jax.Array,
       prompt_len=jnp.ones((B,), jnp.int32),
       max_new=jnp.zeros((B,), jnp.int32),
       active=jnp.zeros((B,), bool),
-      estimator=_estimator(cfg).init(),
-      planner=_planner(engine, cost).init(),
+      estimator=decision.estimator,
+      planner=decision.planner,
       cost=cost,
       key=key,
       stats=_empty_stats(cfg))
-
-
-def _set_row(batched: jax.Array, single: jax.Array, slot: jax.Array, axis: int) -> jax.Array:
-  start = [0] * batched.ndim
-  start[axis] = slot
-  return jax.lax.dynamic_update_slice(batched, single.astype(batched.dtype), start)
-
-
-def _insert_drafter(batched: DrafterState, single: DrafterState, slot) -> DrafterState:
-  fields = {}
-  for name in DrafterState._fields:
-    b, s = getattr(batched, name), getattr(single, name)
-    if b is None:
-      fields[name] = None
-    elif isinstance(b, transformer.KVCache):
-      fields[name] = transformer.KVCache(*(_set_row(x, y, slot, 1) for x, y in zip(b, s)))
-    else:
-      fields[name] = _set_row(b, s, slot, 0)
-  return DrafterState(**fields)
 
 
 def prefill(engine: Engine, params: Params, state: DecodeState, *, prompt: jax.Array,
@@ -329,7 +360,7 @@ def prefill(engine: Engine, params: Params, state: DecodeState, *, prompt: jax.A
                             valid=valid)
   key, k_first = jax.random.split(state.key)
   last_logits = out.logits[0, prompt_len - 1]
-  first = sample_tokens(k_first, last_logits, temperature=cfg.temperature, top_p=cfg.top_p)
+  first = sample_tokens(k_first, last_logits, temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p)
   dstate = engine.drafter.init_state(
       params.drafter, params.target, prompt=prompt[None], prompt_hidden=out.hidden,
       next_token=first[None], K=cfg.max_draft, max_len=cfg.max_len,
@@ -340,13 +371,19 @@ def prefill(engine: Engine, params: Params, state: DecodeState, *, prompt: jax.A
   return state._replace(
       target_cache=transformer.KVCache(*(_set_row(b, s, slot, 1) for b, s in
                                          zip(state.target_cache, out.cache))),
-      drafter=_insert_drafter(state.drafter, dstate, slot),
+      drafter=insert_slot(state.drafter, dstate, slot),
       tokens=state.tokens.at[slot].set(row),
       length=state.length.at[slot].set(prompt_len + 1),
       prompt_len=state.prompt_len.at[slot].set(prompt_len),
       max_new=state.max_new.at[slot].set(max_new),
       active=state.active.at[slot].set(~done),
       key=key)
+
+
+def _set_row(batched: jax.Array, single: jax.Array, slot: jax.Array, axis: int) -> jax.Array:
+  start = [0] * batched.ndim
+  start[axis] = slot
+  return jax.lax.dynamic_update_slice(batched, single.astype(batched.dtype), start)
 
 
 def group_cache(cache: transformer.KVCache, groups: int) -> transformer.KVCache:
@@ -380,7 +417,7 @@ def verify_forward(engine: Engine, target_params, cache: transformer.KVCache, *,
   def one(cache, tokens, slot, positions, valid):
     out = transformer.forward_packed(target_params, tokens, slot=slot, positions=positions,
                                      valid=valid, cache=cache, cfg=engine.models.target)
-    probs = sampling_probs(out.logits, temperature=cfg.temperature, top_p=cfg.top_p)
+    probs = sampling_probs(out.logits, temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p)
     return probs, out.hidden, out.cache
 
   if tokens.shape[0] == 1:  # one group: the plain packed program, no batch axis
@@ -443,7 +480,7 @@ def _verify_packed(engine: Engine, target_params, cache, *, tokens, positions, v
   return probs, hidden, cache, bucket
 
 
-class _Drafted(NamedTuple):
+class Drafts(NamedTuple):
   """A step's drafts and their scores (placeholders when the step does not draft)."""
   tokens: jax.Array     # [B, K] int32
   probs: jax.Array      # [B, K, V] float32, q the drafts were drawn from
@@ -454,30 +491,22 @@ class _Drafted(NamedTuple):
   state: DrafterState   # drafter state to commit
 
 
-def _gated(engine: Engine) -> bool:
-  """Whether AV may skip drafting: parallel drafters only (they keep no cache that a
-  skipped step would leave behind), adaptive modes, and the config allows it."""
-  cfg = engine.config
-  return (cfg.skip_unprofitable_drafts and cfg.mode in ("av", "av_head")
-          and engine.drafter.mode == "parallel" and cfg.explore_every > 0)
-
-
-def _no_draft(engine: Engine, state: DecodeState) -> _Drafted:
+def _no_draft(engine: Engine, state: DecodeState) -> Drafts:
   cfg = engine.config
   B, K, V = cfg.num_slots, cfg.max_draft, engine.models.target.vocab_size
   F = len(RECORDED_FEATURES) if cfg.record_features else 0
-  return _Drafted(tokens=jnp.zeros((B, K), jnp.int32), probs=jnp.zeros((B, K, V), jnp.float32),
+  return Drafts(tokens=jnp.zeros((B, K), jnp.int32), probs=jnp.zeros((B, K, V), jnp.float32),
                   features=jnp.zeros((B, K), jnp.float32), conf=jnp.zeros((B, K), jnp.float32),
                   finite=jnp.ones((B,), bool), extra=jnp.zeros((B, K, F), jnp.float32),
                   state=state.drafter)
 
 
-def _draft_and_score(engine: Engine, params: Params, state: DecodeState,
-                     key: jax.Array) -> _Drafted:
+def _draft(engine: Engine, params: Params, state: DecodeState,
+                     key: jax.Array) -> Drafts:
   cfg = engine.config
   B, K = cfg.num_slots, cfg.max_draft
   draft = engine.drafter.draft(params.drafter, params.target, state.drafter, key, K=K,
-                               temperature=cfg.temperature, top_p=cfg.top_p)
+                               temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p)
   # A fault is a NaN or +inf logit, or a position with every token banned; -inf entries
   # alone are banned tokens, a valid distribution.
   logits = draft.logits
@@ -494,7 +523,7 @@ def _draft_and_score(engine: Engine, params: Params, state: DecodeState,
     uniform = -jnp.log(jnp.float32(draft_logits.shape[-1]))  # unverified slots only
     log_probs = jnp.where(finite[:, None, None], draft.log_probs, uniform)
   else:
-    log_probs = sampling_log_probs(draft_logits, temperature=cfg.temperature, top_p=cfg.top_p)
+    log_probs = sampling_log_probs(draft_logits, temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p)
   if cfg.greedy:  # greedy drafting: q is the point mass on the arg-max
     probs = jax.nn.one_hot(jnp.argmax(draft_logits, -1), draft_logits.shape[-1])
   else:
@@ -506,7 +535,7 @@ def _draft_and_score(engine: Engine, params: Params, state: DecodeState,
                        for name in RECORDED_FEATURES], axis=-1)
   else:
     extra = jnp.zeros((B, K, 0), jnp.float32)
-  return _Drafted(tokens=draft.tokens, probs=probs, features=logit_qmax(log_probs), conf=conf,
+  return Drafts(tokens=draft.tokens, probs=probs, features=logit_qmax(log_probs), conf=conf,
                   finite=finite, extra=extra, state=draft.state)
 
 
@@ -541,119 +570,156 @@ def _target_step(engine: Engine, target_params, cache, key, *, base, position, a
   return result, full, cache, jnp.zeros((), jnp.int32)
 
 
-def step(engine: Engine, params: Params, state: DecodeState) -> tuple[DecodeState, StepInfo]:
-  """One speculative-decoding step for every active slot (see the module docstring)."""
-  cfg = engine.config
-  B, K = cfg.num_slots, cfg.max_draft
-  est = _estimator(cfg)
-  planner = _planner(engine, state.cost)
-  key, k_draft, k_verify = jax.random.split(state.key, 3)
-  active = state.active
+class _Verdict(NamedTuple):
+  """What verification decided: the rejection sampler's result and the target's pass."""
+  result: RejectionResult          # emitted tokens, accepted / labelled drafts
+  target_hidden: jax.Array         # [B, K+1, D] target hidden states of the fed tokens
+  target_cache: transformer.KVCache  # the target cache with the fed tokens written
+  bucket: jax.Array                # [] int32, index of the packed bucket that ran
 
-  # 1. Draft, and score the drafts (rule 1: from the distribution, never the token). A
-  # step that verifies nothing drafts nothing: target-only decoding always, and AV with a
-  # parallel drafter after a step where drafting did not pay (until exploration).
-  if cfg.mode == "target_only":
-    drafting = jnp.asarray(False)
-    drafted = _no_draft(engine, state)
-  elif _gated(engine):
-    drafting = planner.should_draft(state.planner)
-    drafted = jax.lax.cond(drafting, lambda: _draft_and_score(engine, params, state, k_draft),
-                           lambda: _no_draft(engine, state))
-  else:
-    drafting = jnp.asarray(True)
-    drafted = _draft_and_score(engine, params, state, k_draft)
-  finite, features, conf = drafted.finite, drafted.features, drafted.conf
-  if cfg.mode == "av_head":
-    probs = conf
-  else:
-    probs = est.predict(state.estimator, features)
 
-  # 2. Plan. A slot with non-finite draft logits falls back to target-only this step.
-  plan, planner_state = planner.plan(state.planner, probs, active=active & finite,
-                                     drafted=drafting)
-  num_verified = jnp.where(active & finite, plan.num_verified, 0)
+class _Stops(NamedTuple):
+  """The emitted tokens that survive the stops, written into the sequence buffer."""
+  num_kept: jax.Array  # [B] int32, tokens appended to each slot
+  done: jax.Array      # [B] bool, the slot's request finished this step
+  tokens: jax.Array    # [B, M] int32, the sequence buffer with them written
 
-  # 3. Verify: base token + verified drafts, packed, one target pass.
+
+def _draft_phase(engine: Engine, params: Params, state: DecodeState, key: jax.Array,
+                 drafting: jax.Array) -> Drafts:
+  """Draft and score the drafts (from the distribution, never the token); a step that
+  does not draft (target-only arm, or the gate closed) returns placeholders."""
+  if not engine.arm.drafts:
+    return _no_draft(engine, state)
+  if engine.decider.planner.gated:
+    return jax.lax.cond(drafting, lambda: _draft(engine, params, state, key),
+                        lambda: _no_draft(engine, state))
+  return _draft(engine, params, state, key)
+
+
+def _verify_phase(engine: Engine, params: Params, state: DecodeState, drafts: Drafts,
+                  num_verified: jax.Array, drafting: jax.Array, key: jax.Array) -> _Verdict:
+  """The base token and the verified drafts, packed, in one target pass; then rejection
+  sampling. A step that drafted nothing is a plain target step (no `[B, K+1, V]`)."""
+  B, K = engine.config.num_slots, engine.config.max_draft
   base = state.tokens[jnp.arange(B), state.length - 1]
-  verify_tokens = jnp.concatenate([base[:, None], drafted.tokens], axis=1)   # [B, K+1]
-  j = jnp.arange(K + 1)[None, :]
-  positions = state.length[:, None] - 1 + j
-  valid = active[:, None] & (j <= num_verified[:, None])
 
   def verify():
-    target_probs, target_hidden, target_cache, bucket = _verify_packed(
-        engine, params.target, state.target_cache, tokens=verify_tokens, positions=positions,
+    tokens = jnp.concatenate([base[:, None], drafts.tokens], axis=1)      # [B, K+1]
+    j = jnp.arange(K + 1)[None, :]
+    positions = state.length[:, None] - 1 + j
+    valid = state.active[:, None] & (j <= num_verified[:, None])
+    target_probs, hidden, cache, bucket = _verify_packed(
+        engine, params.target, state.target_cache, tokens=tokens, positions=positions,
         valid=valid)
-    result = rejection_sample(k_verify, draft_probs=drafted.probs, draft_tokens=drafted.tokens,
+    result = rejection_sample(key, draft_probs=drafts.probs, draft_tokens=drafts.tokens,
                               target_probs=target_probs, num_verified=num_verified)
-    return result, target_hidden, target_cache, bucket
+    return _Verdict(result, hidden, cache, bucket)
 
   def target_step():
-    return _target_step(engine, params.target, state.target_cache, k_verify, base=base,
-                        position=state.length - 1, active=active)
+    return _Verdict(*_target_step(engine, params.target, state.target_cache, key, base=base,
+                                  position=state.length - 1, active=state.active))
 
-  # A step that drafted nothing is a plain target step: no [B, K+1, V] tensors at all.
-  if cfg.mode == "target_only":
-    result, target_hidden, target_cache, bucket = target_step()
-  elif _gated(engine):
-    result, target_hidden, target_cache, bucket = jax.lax.cond(drafting, verify, target_step)
-  else:
-    result, target_hidden, target_cache, bucket = verify()
-  verified_count = num_verified
-  if cfg.mode == "oracle":  # hindsight accounting: only the accepted drafts were needed
-    verified_count = result.num_accepted
+  if not engine.arm.drafts:
+    return target_step()
+  if engine.decider.planner.gated:
+    return jax.lax.cond(drafting, verify, target_step)
+  return verify()
 
-  # 4. Stops: EOS, the request's output limit, the cache length.
-  emitted = result.tokens                                                    # [B, K+1]
+
+def _apply_stops(cfg: EngineConfig, state: DecodeState, result: RejectionResult) -> _Stops:
+  """Keeps the emitted tokens up to EOS, the request's output limit and the cache."""
+  B, K = cfg.num_slots, cfg.max_draft
+  j = jnp.arange(K + 1)[None, :]
+  emitted = result.tokens                                                   # [B, K+1]
   is_eos = (emitted == cfg.eos_id) & (j < result.num_emitted[:, None])
   first_eos = jnp.min(jnp.where(is_eos, j, K + 1), axis=1)
   generated = state.length - state.prompt_len
   # The next step feeds positions up to length - 1 + K, which must stay below M.
   room = jnp.minimum(state.max_new - generated, cfg.max_len - K - state.length)
   n = jnp.minimum(jnp.minimum(result.num_emitted, first_eos + 1), jnp.maximum(room, 0))
-  n = jnp.where(active, n, 0)
-  done = active & ((first_eos < n) | (n >= room))
+  n = jnp.where(state.active, n, 0)
+  done = state.active & ((first_eos < n) | (n >= room))
   write = jnp.where(j < n[:, None], state.length[:, None] + j, cfg.max_len)
   tokens = state.tokens.at[jnp.arange(B)[:, None], write].set(jnp.maximum(emitted, 0),
                                                               mode="drop")
+  return _Stops(num_kept=n, done=done, tokens=tokens)
 
-  # 5. Commit to the drafter; inactive slots keep their (unused) pending block.
-  if cfg.mode == "target_only":  # the drafter never runs; its state stays as it was
-    committed = state.drafter
-  else:
-    committed = engine.drafter.commit(drafted.state, emitted_tokens=emitted,
-                                      num_emitted=result.num_emitted,
-                                      target_hidden=target_hidden)
-  keep = lambda new, old: jnp.where(active.reshape((B,) + (1,) * (new.ndim - 1)), new, old)
-  drafter_state = committed._replace(
-      tokens=keep(committed.tokens, state.drafter.tokens),
-      hidden=keep(committed.hidden, state.drafter.hidden),
-      num_pending=keep(committed.num_pending, state.drafter.num_pending),
-      position=keep(committed.position, state.drafter.position))
 
-  # 6. Learn from the labels verification produced anyway.
-  labeled = result.labeled & (active & finite)[:, None]
-  estimator = est.update(state.estimator, features, result.accepted, labeled)
+def _commit_phase(engine: Engine, state: DecodeState, drafts: Drafts,
+                  verdict: _Verdict) -> DrafterState:
+  """The emitted tokens and the target's hidden states become the drafter's pending
+  block; inactive slots keep theirs. A target-only arm never runs the drafter."""
+  if not engine.arm.drafts:
+    return state.drafter
+  committed = engine.drafter.commit(drafts.state, emitted_tokens=verdict.result.tokens,
+                                    num_emitted=verdict.result.num_emitted,
+                                    target_hidden=verdict.target_hidden)
+  return keep_inactive(committed, state.drafter, state.active)
 
-  stats = state.stats
-  stats = EngineStats(
+
+def _count(engine: Engine, stats: EngineStats, *, state: DecodeState, drafts: Drafts,
+           verdict: _Verdict, stops: _Stops, verified: jax.Array,
+           labeled: jax.Array) -> EngineStats:
+  """The running totals after this step."""
+  K = engine.config.max_draft
+  active, accepted = state.active, verdict.result.accepted
+  return EngineStats(
       steps=stats.steps + 1,
-      emitted=stats.emitted + jnp.sum(n),
-      verified=stats.verified + jnp.sum(verified_count),
-      drafted=stats.drafted + K * jnp.sum(active),
-      accepted_at=stats.accepted_at + jnp.sum(result.accepted & labeled, 0, dtype=jnp.int32),
+      emitted=stats.emitted + jnp.sum(stops.num_kept),
+      verified=stats.verified + jnp.sum(verified),
+      draft_tokens=stats.draft_tokens + K * jnp.sum(active),
+      accepted_at=stats.accepted_at + jnp.sum(accepted & labeled, 0, dtype=jnp.int32),
       labeled_at=stats.labeled_at + jnp.sum(labeled, 0, dtype=jnp.int32),
-      bucket_hist=stats.bucket_hist.at[bucket].add(1),
-      nonfinite=stats.nonfinite + jnp.sum(active & ~finite))
+      bucket_hist=stats.bucket_hist.at[verdict.bucket].add(1),
+      nonfinite=stats.nonfinite + jnp.sum(active & ~drafts.finite))
+
+
+def step(engine: Engine, params: Params, state: DecodeState) -> tuple[DecodeState, StepInfo]:
+  """One speculative-decoding step for every active slot (see the module docstring).
+
+  Phases: gate -> draft and score -> decide -> verify -> stops -> commit to the drafter
+  -> learn and count. The decision (`engine.decider`: `drafts`, `score`, `plan`,
+  `learn`) is `av_jax.decision`'s, the code `decision_step` and the overhead benchmark
+  run.
+  """
+  decider, active = engine.decider, state.active
+  key, k_draft, k_verify = jax.random.split(state.key, 3)
+  decision = state.decision
+
+  # Gate: a step that verifies nothing drafts nothing (target-only decoding always; AV
+  # with a parallel drafter after a step where drafting did not pay, until a re-check).
+  drafting = jnp.asarray(engine.arm.drafts) & decider.drafts(decision)
+  drafts = _draft_phase(engine, params, state, k_draft, drafting)
+
+  # Decide. A slot with non-finite draft logits falls back to target-only this step.
+  probs = decider.score(decision, drafts.features, conf=drafts.conf)
+  plan, decision = decider.plan(decision, probs, state.cost, active=active,
+                                sound=drafts.finite, drafting=drafting)
+
+  verdict = _verify_phase(engine, params, state, drafts, plan.num_verified, drafting,
+                          k_verify)
+  result = verdict.result
+  # The oracle's hindsight accounting: only the accepted drafts were needed.
+  verified = result.num_accepted if engine.arm.hindsight else plan.num_verified
+  stops = _apply_stops(engine.config, state, result)
+  drafter_state = _commit_phase(engine, state, drafts, verdict)
+
+  # Learn from the labels verification produced anyway, and count.
+  labeled = result.labeled & (active & drafts.finite)[:, None]
+  decision = decider.learn(decision, drafts.features, result.accepted, labeled)
+  stats = _count(engine, state.stats, state=state, drafts=drafts, verdict=verdict,
+                 stops=stops, verified=verified, labeled=labeled)
   new_state = state._replace(
-      target_cache=target_cache, drafter=drafter_state, tokens=tokens,
-      length=state.length + n, active=active & ~done, estimator=estimator,
-      planner=planner_state, key=key, stats=stats)
-  info = StepInfo(budget=jnp.minimum(plan.budget, B * K), verified=jnp.sum(verified_count), emitted=jnp.sum(n),
-                  bucket=bucket, active=jnp.sum(active, dtype=jnp.int32), features=features,
-                  probs=probs, conf=conf, accepted=result.accepted, labeled=labeled,
-                  slot_active=active, extra=drafted.extra, drafted=drafting)
+      target_cache=verdict.target_cache, drafter=drafter_state, tokens=stops.tokens,
+      length=state.length + stops.num_kept, active=active & ~stops.done,
+      estimator=decision.estimator, planner=decision.planner, key=key, stats=stats)
+  info = StepInfo(budget=plan.budget, verified=jnp.sum(verified),
+                  emitted=jnp.sum(stops.num_kept), bucket=verdict.bucket,
+                  active=jnp.sum(active, dtype=jnp.int32), features=drafts.features,
+                  probs=probs, conf=drafts.conf, accepted=result.accepted, labeled=labeled,
+                  slot_active=active, extra=drafts.extra, drafting=drafting,
+                  num_verified=plan.num_verified)
   return new_state, info
 
 

@@ -15,6 +15,11 @@ import time
 import jax
 import numpy as np
 
+from av_jax import data
+from av_jax import engine as E
+from av_jax import models as M
+from av_jax.engine import profile as prof
+
 
 def add_args(p: argparse.ArgumentParser) -> None:
   p.add_argument("--models", default="default", help="shipped model set name")
@@ -35,9 +40,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
 def run_modes(pair, *, modes, slots, k, requests, prompt_len, max_new, temperature, top_p,
               workload, seed=0, repeats=1, log=print) -> dict[str, dict]:
   """Decodes the same prompts in every mode; returns per-mode figures (importable)."""
-  from av_jax import data
-  from av_jax import engine as E
-  from av_jax.engine import profile as prof
   prompts = data.prompts(workload, tokenizer=pair.tokenizer, num=requests, length=prompt_len,
                          seed=seed).tolist()
   params = E.Params(target=pair.target_params, drafter=pair.drafter_params)
@@ -88,11 +90,10 @@ def format_table(rows: dict[str, dict], base: str = "fixed") -> str:
 
 
 def main(args) -> None:
-  from av_jax import models as M
   start = time.perf_counter()
   pair = M.load(args.models, drafter=args.drafter)
   modes = ["target_only", "fixed", "av"] + (["av_head"] if args.drafter == "block_head" else [])
-  print(f"av_jax demo: models={args.models} drafter={args.drafter} ({pair.drafter.mode}) "
+  print(f"av_jax demo: models={args.models} drafter={args.drafter} ({pair.drafter.drafting}) "
         f"workload={args.workload} B={args.slots} K={args.k} T={args.temperature} "
         f"top_p={args.top_p} requests={args.requests} x {args.max_new} tokens, "
         f"device={jax.devices()[0].device_kind}")

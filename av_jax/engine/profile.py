@@ -1,4 +1,4 @@
-"""Start-up cost profiling: measured step-cost tables for the planner (spec section 8).
+"""Start-up cost profiling: measured step-cost tables for the planner (docs/algorithm.md section 8).
 
 Every bucket's verify program (the target's packed forward on T tokens) and the drafter
 are timed on the device in use: warm-up, then the median of `repeats` runs. The verify

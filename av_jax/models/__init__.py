@@ -14,7 +14,7 @@ from av_jax.models.config import TransformerConfig
 from av_jax.models.config import config_hash
 from av_jax.models.config import load_config
 from av_jax.models.drafters import KINDS
-from av_jax.models.drafters import MODES
+from av_jax.models.drafters import DRAFTING
 from av_jax.models.drafters import DraftOutput
 from av_jax.models.drafters import Drafter
 from av_jax.models.drafters import DrafterState
@@ -43,7 +43,7 @@ __all__ = (
     "HeadTrainConfig",
     "KINDS",
     "KVCache",
-    "MODES",
+    "DRAFTING",
     "MeasureConfig",
     "ModelPair",
     "ModelsConfig",

@@ -15,6 +15,7 @@ import tomllib
 from typing import Any
 
 from av_jax.data.workloads import DataConfig
+from av_jax.models import checkpoint
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -163,7 +164,6 @@ def config_hash(cfg: ModelsConfig, part: str) -> str:
   Covers the model shapes, the training settings of that part and of everything it was
   distilled from, the data, the seed and the checkpoint format version.
   """
-  from av_jax.models import checkpoint  # pylint: disable=g-import-not-at-top
   d = to_dict(cfg)
   for section in d.values():  # fields added later, at the value older files were built with
     if isinstance(section, dict):

@@ -1,6 +1,6 @@
 """The four drafter kinds behind one interface.
 
-| kind         | mode           | what it is                                                        |
+| kind         | drafting       | what it is                                                        |
 |--------------|----------------|-------------------------------------------------------------------|
 | `draft_lm`   | autoregressive | independent small LM with its own KV cache                        |
 | `eagle`      | autoregressive | one transformer layer over (target hidden, next-token embedding), |
@@ -8,8 +8,9 @@
 | `block`      | parallel       | K positions in one pass from the target's last hidden state       |
 | `block_head` | parallel       | `block` plus a linear confidence head trained on target accepts   |
 
-`mode` matters to AV's exactness (spec section 5, rule 2): with an autoregressive drafter
-and sampled drafts, q at position i+1 depends on the token drawn at position i.
+`drafting` matters to AV's exactness (docs/algorithm.md section 5, rule 2): with an
+autoregressive drafter and sampled drafts, q at position i+1 depends on the token drawn at
+position i.
 
 Protocol (all functions pure; `K` static, `temperature` / `top_p` may be traced arrays):
 
@@ -46,7 +47,9 @@ from av_jax.models.layers import Block, LayerKV, RMSNorm
 from av_jax.models.sampling import sample_with_log_probs
 
 KINDS = ("draft_lm", "eagle", "block", "block_head")
-MODES = {"draft_lm": "autoregressive", "eagle": "autoregressive", "block": "parallel",
+# Each kind's drafting style: autoregressive (position i+1 reads the drawn token i) or
+# parallel (no position reads a drawn token).
+DRAFTING = {"draft_lm": "autoregressive", "eagle": "autoregressive", "block": "parallel",
          "block_head": "parallel"}
 
 
@@ -57,6 +60,42 @@ class DrafterState(NamedTuple):
   hidden: jax.Array       # [B, K+1, D] target hidden state that predicted each pending token
   num_pending: jax.Array  # [B] int32 >= 1, valid entries of tokens / hidden
   position: jax.Array     # [B] int32 sequence position of tokens[:, 0]
+
+
+def _set_row(batched: jax.Array, single: jax.Array, slot: jax.Array, axis: int) -> jax.Array:
+  start = [0] * batched.ndim
+  start[axis] = slot
+  return jax.lax.dynamic_update_slice(batched, single.astype(batched.dtype), start)
+
+
+def insert_slot(batched: DrafterState, single: DrafterState, slot: jax.Array) -> DrafterState:
+  """`batched` with slot `slot` replaced by the one-slot state `single` (prefill).
+
+  Caches have the slot on axis 1 (`[L, B, M, H, Dh]`), every other field on axis 0.
+  """
+  fields = {}
+  for name in DrafterState._fields:
+    b, s = getattr(batched, name), getattr(single, name)
+    if b is None:
+      fields[name] = None
+    elif isinstance(b, transformer.KVCache):
+      fields[name] = transformer.KVCache(*(_set_row(x, y, slot, 1) for x, y in zip(b, s)))
+    else:
+      fields[name] = _set_row(b, s, slot, 0)
+  return DrafterState(**fields)
+
+
+def keep_inactive(new: DrafterState, old: DrafterState, active: jax.Array) -> DrafterState:
+  """`new` for the `active [B]` slots, `old` for the others, in every per-slot field.
+
+  The cache is taken from `new` whole: entries above a slot's consumed prefix are never
+  read (see the module docstring), so an inactive slot's cache needs no merge.
+  """
+  def keep(n, o):
+    return jnp.where(active.reshape(active.shape + (1,) * (n.ndim - 1)), n, o)
+  return DrafterState(**{name: getattr(new, name) if name == "cache"
+                         else keep(getattr(new, name), getattr(old, name))
+                         for name in DrafterState._fields})
 
 
 class DraftOutput(NamedTuple):
@@ -74,7 +113,7 @@ class DraftOutput(NamedTuple):
 class Drafter(NamedTuple):
   """A drafter kind: metadata and its three pure functions (see module docstring)."""
   kind: str              # one of KINDS
-  mode: str              # "autoregressive" or "parallel"
+  drafting: str          # "autoregressive" or "parallel" (`DRAFTING[kind]`)
   init_state: Callable   # (params, target_params, *, prompt, prompt_hidden, next_token, K,
                          #  max_len, prompt_lens=None) -> DrafterState
   draft: Callable        # (params, target_params, state, key, *, K, temperature, top_p)
@@ -299,7 +338,7 @@ def _make_draft_lm(cfg: ModelsConfig) -> Drafter:
     return DraftOutput(stack(logits0, logits), stack(tok0, toks), None,
                        state._replace(cache=cache), stack(lp0, lps))
 
-  return Drafter("draft_lm", MODES["draft_lm"], init_state, draft, commit)
+  return Drafter("draft_lm", DRAFTING["draft_lm"], init_state, draft, commit)
 
 
 # --------------------------------------------------------------------------------- eagle
@@ -363,7 +402,7 @@ def _make_eagle(cfg: ModelsConfig) -> Drafter:
     return DraftOutput(stack(logits0, lgs), stack(tok0, toks), None,
                        state._replace(cache=cache), stack(lp0, lps))
 
-  return Drafter("eagle", MODES["eagle"], init_state, draft, commit)
+  return Drafter("eagle", DRAFTING["eagle"], init_state, draft, commit)
 
 
 # --------------------------------------------------------------------------------- block
@@ -392,7 +431,7 @@ def _make_block(cfg: ModelsConfig, kind: str) -> Drafter:
     toks, log_probs = sample_with_log_probs(key, logits, temperature=temperature, top_p=top_p)
     return DraftOutput(logits, toks, None if conf is None else conf[:, :K], state, log_probs)
 
-  return Drafter(kind, MODES[kind], init_state, draft, commit)
+  return Drafter(kind, DRAFTING[kind], init_state, draft, commit)
 
 
 @functools.lru_cache(maxsize=64)

@@ -6,6 +6,7 @@ import json
 import os
 from typing import Any, NamedTuple
 
+import jax
 import jax.numpy as jnp
 
 from av_jax.data.tokenizer import Tokenizer, from_json
@@ -20,7 +21,7 @@ class ModelPair(NamedTuple):
   cfg: ModelsConfig         # the full config the checkpoints were trained under
   tokenizer: Tokenizer      # the model set's tokenizer
   target_params: Any        # target parameter pytree (float32)
-  drafter: Drafter | None   # drafter functions + kind/mode metadata (None if not requested)
+  drafter: Drafter | None   # drafter functions + kind/drafting metadata (None if not requested)
   drafter_params: Any       # drafter parameter pytree (None if not requested)
 
 
@@ -50,7 +51,7 @@ def load(name: str = "default", drafter: str | None = None, *,
 
   Example:
     >>> pair = load("default", drafter="eagle")
-    >>> pair.drafter.mode
+    >>> pair.drafter.drafting
     'autoregressive'
   """
   directory = directory or checkpoint.assets_dir()
@@ -83,7 +84,6 @@ def load(name: str = "default", drafter: str | None = None, *,
 
 
 def _to_jnp(tree):
-  import jax  # pylint: disable=g-import-not-at-top
   return jax.tree.map(jnp.asarray, tree)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from av_jax.features import sampling_log_probs
+from av_jax.sampling import sampling_log_probs
 
 
 def sampling_probs(logits: jax.typing.ArrayLike, *, temperature: jax.typing.ArrayLike,
@@ -13,7 +13,7 @@ def sampling_probs(logits: jax.typing.ArrayLike, *, temperature: jax.typing.Arra
   """`[..., V]` probabilities tokens are drawn from; temperature <= 0 is a greedy point mass.
 
   The greedy point mass is the one-hot arg-max (what verification must use as q or p);
-  features for greedy drafting come from `av_jax.features.sampling_log_probs` instead.
+  features for greedy drafting come from `av_jax.sampling.sampling_log_probs` instead.
   """
   logits = jnp.asarray(logits, jnp.float32)
   temperature = jnp.asarray(temperature, jnp.float32)

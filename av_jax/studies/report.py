@@ -10,6 +10,7 @@ import numpy as np
 from av_jax.studies import analysis as A
 from av_jax.studies import throughput as T
 from av_jax.studies.collect import FEATURE_NAMES, Drafts
+from av_jax.studies.settings import Settings
 
 ESTIMATOR = "logit(q_max), shared slope (shipped)"
 SERVED = "online estimator (served)"
@@ -20,6 +21,11 @@ def _f(x, digits=3) -> str:
   if x is None or (isinstance(x, float) and not np.isfinite(x)):
     return "n/a"
   return f"{x:.{digits}f}"
+
+
+def _g(x) -> str:
+  """A number as recorded (`50`, `0.001`), or n/a when it was not."""
+  return "n/a" if x is None else f"{x:g}"
 
 
 def _table(header: list[str], rows: list[list]) -> str:
@@ -245,7 +251,8 @@ def why(results: dict, s) -> list[str]:
         f"and scored on the second reaches ECE {_f(fitted['ece'], 4)}; the served "
         f"predictions ({_f(lab['served_after_warmup']['ece'], 4)}) come from coefficients "
         f"refitted once per {s.refit_interval}-step round by one damped Newton step "
-        "(damping c = 50 labels), so they trail the stream: with continuous batching the mix "
+        f"(damping c = {_g((results.get('estimator') or {}).get('damping'))} labels), so they "
+        "trail the stream: with continuous batching the mix "
         "of request depths and prompts changes from round to round, and short streams leave "
         "few rounds after warm-up. Per-drafter served ECE is in section 2. Longer streams "
         "(the soak in BENCHMARKS.md runs 10,000 steps) give the estimator time to settle.")
@@ -305,7 +312,9 @@ def why(results: dict, s) -> list[str]:
     out.append(
         f"**Decision overhead.** The full decision reads all B·K·V = "
         f"{ov['batch'] * ov['k'] * ov['vocab']:,} draft log-probabilities once (the feature "
-        f"pass; the estimator and planner are O(B·K)); our target has 4 layers of width 192, "
+        f"pass; the estimator and planner are O(B·K)); our target has "
+        f"{_g((results.get('target') or {}).get('num_layers'))} layers of width "
+        f"{_g((results.get('target') or {}).get('d_model'))}, "
         f"so a decode step is cheap next to a vocabulary-wide pass — a 1B-parameter target "
         f"costs about 100x more per token while the decision stays the same. AV decides only "
         f"on steps that draft; amortized over all AV steps the share is "
@@ -315,7 +324,6 @@ def why(results: dict, s) -> list[str]:
 
 def render(out_dir: str) -> None:
   """Rewrites studies.md and the plots from studies.json (no decoding)."""
-  from av_jax.studies.run import Settings
   with open(os.path.join(out_dir, "studies.json")) as f:
     results = json.load(f)
   fields = {k: tuple(v) if isinstance(v, list) else v for k, v in results["settings"].items()}
@@ -364,9 +372,9 @@ def _json_default(x):
 
 
 def _plots(out_dir: str, results: dict, s) -> dict[str, str]:
-  import matplotlib
+  import matplotlib  # deferred: an optional dependency (the `test` / `bench` extras)
   matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
+  import matplotlib.pyplot as plt  # deferred: as above
   files = {}
 
   def save(fig, name):

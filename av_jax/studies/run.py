@@ -25,63 +25,32 @@ import time
 
 import jax
 import numpy as np
+from tqdm.auto import tqdm
 
-WORKLOADS = ("code", "prose", "math", "noisy")
-DRAFTERS = ("draft_lm", "eagle", "block", "block_head")
-
-
-@dataclasses.dataclass
-class Settings:
-  """Everything the suite's numbers depend on (recorded in the report)."""
-  models: str = "default"
-  temperature: float = 1.0
-  top_p: float = 0.95
-  k: int = 8
-  label_slots: int = 64            # concurrency of the labelled-draft runs
-  label_steps: int = 48            # decode steps per (drafter, workload) stream
-  label_drafters: tuple = DRAFTERS
-  prompt_len: int = 32
-  label_max_new: int = 48          # output limit per request in labelled runs
-  refit_interval: int = 16         # estimator round length N (steps)
-  drift_workloads: tuple = ("math", "prose", "math")
-  drift_steps: int = 128           # steps per drift segment (a multiple of refit_interval)
-  drift_drafter: str = "block"
-  warmup_rounds: int = 2           # served predictions of the first rounds are warm-up
-  concurrencies: tuple = (1, 2, 4, 8, 16, 32, 64)
-  pareto_ks: tuple = (0, 1, 2, 4, 6, 8)
-  pareto_drafter: str = "block"
-  on_off_drafters: tuple = DRAFTERS
-  per_workload_drafter: str = "block"
-  per_workload: bool = True        # the on/off sweep of per_workload_drafter per workload
-  requests_per_slot: int = 1       # throughput requests = max(4, this * concurrency)
-  throughput_max_new: int = 32
-  repeats: int = 2
-  overhead_repeats: int = 30
-  seed: int = 0
-
-  @classmethod
-  def quick(cls) -> "Settings":
-    """A reduced suite for a few minutes on a 2-core CPU: every study, fewer points."""
-    return cls(label_steps=12, label_drafters=("block_head",), refit_interval=8,
-               warmup_rounds=1, drift_drafter="block_head", drift_steps=16,
-               concurrencies=(64,), pareto_ks=(0, 2, 8), on_off_drafters=("block",),
-               throughput_max_new=24, label_max_new=24, repeats=1, overhead_repeats=10)
+from av_jax import _machine
+from av_jax import data
+from av_jax import engine as E
+from av_jax import models as M
+from av_jax.decision import make_decider, make_decision
+from av_jax.estimator import EstimatorConfig
+from av_jax.selection import linear_cost_model
+from av_jax.studies import collect as C
+from av_jax.studies import report
+from av_jax.studies import throughput as T
+from av_jax.studies.settings import DRAFTERS, WORKLOADS, Settings
 
 
 def hardware() -> dict:
-  from av_jax import _machine
   out = _machine.describe()
   out["load_avg_start"] = out.pop("load_avg")
   return out
 
 
 def _bar(total: int, desc: str, enabled: bool):
-  from tqdm.auto import tqdm
   return tqdm(total=total, desc=desc, disable=not enabled, mininterval=2.0, leave=False)
 
 
 def _mixed_prompts(pair, num: int, length: int, seed: int) -> list[list[int]]:
-  from av_jax import data
   per = [data.prompts(w, tokenizer=pair.tokenizer, num=num, length=length, seed=seed).tolist()
          for w in WORKLOADS]
   return [per[i % len(WORKLOADS)][i // len(WORKLOADS)] for i in range(num)]
@@ -89,9 +58,6 @@ def _mixed_prompts(pair, num: int, length: int, seed: int) -> list[list[int]]:
 
 def study_labels(pairs, s: Settings, log, progress: bool) -> dict:
   """Studies 1-4 data: labelled drafts per (drafter, workload) and the drift run."""
-  from av_jax import data
-  from av_jax import engine as E
-  from av_jax.studies import collect as C
   max_len = s.prompt_len + s.label_max_new + s.k + 8
   num_prompts = 4 * s.label_slots  # enough to keep every slot busy for the stream
   streams, traces = {}, {}
@@ -132,8 +98,6 @@ def study_labels(pairs, s: Settings, log, progress: bool) -> dict:
 
 def study_throughput(pairs, s: Settings, log, progress: bool) -> list[dict]:
   """Study 5 rows: every (drafter, workload, concurrency, arm, repeat)."""
-  from av_jax import data
-  from av_jax.studies import throughput as T
   max_len = s.prompt_len + s.throughput_max_new + s.k + 8
   sweeper = T.Sweeper(temperature=s.temperature, top_p=s.top_p, max_len=max_len,
                       refit_interval=s.refit_interval, seed=s.seed, log=log)
@@ -173,30 +137,26 @@ def study_throughput(pairs, s: Settings, log, progress: bool) -> list[dict]:
 
 def study_overhead(s: Settings, pair, throughput_rows, log) -> dict:
   """Study 6: the decision microbenchmark and its share of an AV decode step."""
-  from av_jax import online_estimator
-  from av_jax.decision import make_decision
-  from av_jax.planner import make_planner
-  from av_jax.selection import linear_cost_model
   B, K = max(s.concurrencies), s.k
   V = pair.cfg.target.vocab_size
-  est = online_estimator(K, refit_interval=s.refit_interval)
-  planner = make_planner(linear_cost_model(B, B * (K + 1), verify_fixed=1.0,
-                                           verify_per_token=0.02), policy="lagged")
+  cost = linear_cost_model(B, B * (K + 1), verify_fixed=1.0, verify_per_token=0.02)
+  decider = make_decider(K, policy="lagged",
+                         estimator=EstimatorConfig(refit_interval=s.refit_interval))
   # The engine scores the already top-p-filtered log-probs it samples from, so the
   # decision's feature pass runs with top_p=1 on them (no extra nucleus pass).
-  decide = make_decision(est, planner, temperature=1.0, top_p=1.0)
+  decide = make_decision(decider, temperature=1.0, top_p=1.0)
 
   def median_ms(vocab: int) -> tuple[float, list[float]]:
     logits = jax.random.normal(jax.random.PRNGKey(0), (B, K, vocab)) * 3.0
     state = decide.init(B)
     acc, lab, act = np.zeros((B, K), bool), np.zeros((B, K), bool), np.ones((B,), bool)
     for _ in range(3):
-      plan, state = decide.step(state, logits, acc, lab, act)
+      plan, state = decide.step(state, logits, acc, lab, act, cost)
     jax.block_until_ready(plan)
     times = []
     for _ in range(s.overhead_repeats):
       start = time.perf_counter()
-      plan, state = decide.step(state, logits, acc, lab, act)
+      plan, state = decide.step(state, logits, acc, lab, act, cost)
       jax.block_until_ready(plan)
       times.append((time.perf_counter() - start) * 1e3)
     return float(np.median(times)), times
@@ -245,8 +205,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-  from av_jax import models as M
-  from av_jax.studies import report
   if args.render_only:
     report.render(args.out)
     print(f"rendered {args.out}/studies.md from {args.out}/studies.json")
@@ -292,6 +250,13 @@ def run(args) -> int:
                                                    else set()), key=DRAFTERS.index)
   pairs = {k: M.load(s.models, drafter=k) for k in kinds}
   results = dict(command=command, settings=dataclasses.asdict(s), hardware=hardware())
+  # Facts the report's prose states, read from what ran rather than written into it.
+  target = next(iter(pairs.values())).cfg.target if pairs else None
+  results["target"] = None if target is None else dict(num_layers=target.num_layers,
+                                                       d_model=target.d_model)
+  results["estimator"] = dataclasses.asdict(C.study_config(
+      slots=1, max_draft=s.k, max_len=s.k + 3, temperature=s.temperature, top_p=s.top_p,
+      refit_interval=s.refit_interval).estimator)
   timings = {}
   labels = throughput_rows = overhead = None
   if "labels" not in skip:

@@ -95,7 +95,7 @@ class Sweeper:
     def on_chunk(state, info):
       active.append(info.active)
       verified.append(info.verified)
-      drafted.append(info.drafted)
+      drafted.append(info.drafting)
 
     start = time.perf_counter()
     result = E.generate(engine, params, prompts, max_new_tokens=max_new,

@@ -1,0 +1,50 @@
+"""The studies suite's settings: everything its numbers depend on (recorded in the report).
+
+Its own module, so that the runner (`run`) and the report (`report`) both import it and
+neither imports the other.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+WORKLOADS = ("code", "prose", "math", "noisy")
+DRAFTERS = ("draft_lm", "eagle", "block", "block_head")
+
+
+@dataclasses.dataclass
+class Settings:
+  """Everything the suite's numbers depend on (recorded in the report)."""
+  models: str = "default"
+  temperature: float = 1.0
+  top_p: float = 0.95
+  k: int = 8
+  label_slots: int = 64            # concurrency of the labelled-draft runs
+  label_steps: int = 48            # decode steps per (drafter, workload) stream
+  label_drafters: tuple = DRAFTERS
+  prompt_len: int = 32
+  label_max_new: int = 48          # output limit per request in labelled runs
+  refit_interval: int = 16         # estimator round length N (steps)
+  drift_workloads: tuple = ("math", "prose", "math")
+  drift_steps: int = 128           # steps per drift segment (a multiple of refit_interval)
+  drift_drafter: str = "block"
+  warmup_rounds: int = 2           # served predictions of the first rounds are warm-up
+  concurrencies: tuple = (1, 2, 4, 8, 16, 32, 64)
+  pareto_ks: tuple = (0, 1, 2, 4, 6, 8)
+  pareto_drafter: str = "block"
+  on_off_drafters: tuple = DRAFTERS
+  per_workload_drafter: str = "block"
+  per_workload: bool = True        # the on/off sweep of per_workload_drafter per workload
+  requests_per_slot: int = 1       # throughput requests = max(4, this * concurrency)
+  throughput_max_new: int = 32
+  repeats: int = 2
+  overhead_repeats: int = 30
+  seed: int = 0
+
+  @classmethod
+  def quick(cls) -> "Settings":
+    """A reduced suite for a few minutes on a 2-core CPU: every study, fewer points."""
+    return cls(label_steps=12, label_drafters=("block_head",), refit_interval=8,
+               warmup_rounds=1, drift_drafter="block_head", drift_steps=16,
+               concurrencies=(64,), pareto_ks=(0, 2, 8), on_off_drafters=("block",),
+               throughput_max_new=24, label_max_new=24, repeats=1, overhead_repeats=10)

@@ -154,7 +154,7 @@ def profile_costs(
   `measure_costs` (same arguments), then `step_cost_model`: the verify table is a step
   function of the buckets, the draft table flat, a non-monotone profile repaired with a
   `UserWarning`. Profile once per device kind and batch configuration, on the devices
-  and sharding the server runs with, and pass the result to `make_planner`.
+  and sharding the server runs with, and pass the result to the planner's `plan`.
 
   Returns:
     A `CostModel` with `draft_ms [num_slots + 1]` and
@@ -164,7 +164,7 @@ def profile_costs(
     >>> cost = profile_costs(verify, draft, verify_args=lambda T: (params, tokens[:T]),
     ...                      draft_args=(dparams, last, key), buckets=(8, 16, 32),
     ...                      num_slots=4, max_draft=7)
-    >>> planner = make_planner(cost, policy="lagged")
+    >>> planner = make_planner(policy="lagged")
   """
   profile = measure_costs(verify_fn, draft_fn, verify_args=verify_args,
                           draft_args=draft_args, buckets=buckets, num_slots=num_slots,

@@ -135,7 +135,7 @@ def make_decoder(cfg: Config, cost: av_jax.CostModel, target_def: nnx.GraphDef,
   greedy = cfg.temperature <= 0
   est = av_jax.online_estimator(cfg.max_draft, refit_interval=4)
   planner = av_jax.make_planner(
-      cost, policy=av_jax.exact_policy(drafter_kind="autoregressive", greedy=greedy))
+      policy=av_jax.exact_policy(drafter_kind="autoregressive", greedy=greedy))
   B, K = cfg.num_slots, cfg.max_draft
 
   def init(prompt: jax.Array, key: jax.Array) -> LoopState:  # prompt [B, W]
@@ -156,7 +156,7 @@ def make_decoder(cfg: Config, cost: av_jax.CostModel, target_def: nnx.GraphDef,
     features = av_jax.logit_qmax(draft_logits, temperature=cfg.temperature, top_p=cfg.top_p)
     # 2. Predict acceptance and plan how many drafts each slot verifies.
     probs = est.predict(state.estimator, features)
-    plan, planner_state = planner.plan(state.planner, probs, active=active)
+    plan, planner_state = planner.plan(state.planner, probs, cost, active=active)
     # 3. The target scores the drafts (a server packs only the verified rows).
     target_logits = target(verify_windows(state.context, draft_tokens, cfg.window))
     out = av_jax.rejection_sample(key_verify, draft_probs=draft_probs,

@@ -91,8 +91,8 @@ def test_jitted_jax_program_and_planner():
                               draft_args=(weights, jnp.ones((B, 32))),
                               buckets=BUCKETS, num_slots=B, max_draft=K, repeats=2)
   assert np.all(np.asarray(cost.verify_ms)[1:] > 0) and np.all(np.asarray(cost.draft_ms) > 0)
-  planner = av_jax.make_planner(cost, policy="current")
-  plan, _ = planner.plan(planner.init(), jnp.full((B, K), 0.9))
+  planner = av_jax.make_planner(policy="current")
+  plan, _ = planner.plan(planner.init(), jnp.full((B, K), 0.9), cost)
   assert plan.num_verified.shape == (B,)
 
 

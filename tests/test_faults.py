@@ -61,7 +61,7 @@ def _poisoning() -> Drafter:
     hit = lambda x: None if x is None else x.at[rows, pos, 0].add(poison)
     return out._replace(logits=hit(out.logits), log_probs=hit(out.log_probs))
 
-  return Drafter(inner.kind, inner.mode, init_state, draft, inner.commit)
+  return Drafter(inner.kind, inner.drafting, init_state, draft, inner.commit)
 
 
 def _make(num_slots, max_draft, max_len, **overrides):

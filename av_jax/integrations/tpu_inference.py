@@ -132,8 +132,9 @@ def _forward(draft_token_ids, num_draft_tokens, draft_probs, target_logits, bonu
     if t == 0:  # no draft rows: gather from one dummy row, masked below
       q, p, ids = jnp.zeros((1, V)), jnp.zeros((1, V)), jnp.zeros((1,), jnp.int32)
     rows, mask = index.rows, index.in_draft
-    # The bonus row is never sampled from: the stack's bonus token is emitted when all
-    # drafts are accepted, so a uniform placeholder row keeps the sampler well-defined.
+    # No bonus row is sampled from: when a request accepts all its drafts, the stack's
+    # bonus token is emitted instead (below), so a uniform placeholder row stands in for
+    # it and whatever the sampler draws past a request's drafts is dropped by `to_flat`.
     p_rows = jnp.concatenate([jnp.where(mask[..., None], p[rows], 0.0),
                               jnp.full((counts.shape[0], 1, V), 1.0 / V)], axis=1)
     out = rejection_sample(key, draft_probs=jnp.where(mask[..., None], q[rows], 0.0),

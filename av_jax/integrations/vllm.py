@@ -8,6 +8,12 @@ each request's last token. `rejection_sample` here takes that layout of target
 *probabilities* (apply your sampling transforms first) and returns vLLM's output rows
 plus what vLLM does not return and AV needs: per-draft acceptance labels.
 
+Target probabilities: vLLM's `compute_probs` divides the logits by the temperature, then
+applies top-k and top-p, then the softmax; compute the same (for temperature and top-p,
+`exp(av_jax.sampling_log_probs(logits, temperature=..., top_p=...))`). For vLLM's greedy
+requests pass one-hot rows at the arg-max: a draft is then accepted iff it is the arg-max
+and the recovered token is the arg-max, exactly vLLM's greedy kernel.
+
 `draft_probs=None` is vLLM's n-gram case (a deterministic draft): the draft is treated
 as a point mass, so it is accepted with probability p(x) and a rejection emits from p with
 x removed, as vLLM does.

@@ -54,7 +54,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from av_jax import _checks
-from av_jax.features import sampling_log_probs
+from av_jax.sampling import sampling_log_probs
 from av_jax.integrations._layout import (check_counts, pack_drafts, ragged_index, to_dense_labels,
                                          to_flat)
 from av_jax.rejection import rejection_sample

@@ -161,16 +161,19 @@ class NumpyDecision:
     c_over_d = np.where(d > 0, cross / safe_d, _F32(0))
     schur = np.maximum(a - np.sum(c_over_d * cross), _F32(max(c.l2, 1e-12)))
     delta_w = (-g_w + np.sum(c_over_d * g)) / schur
-    delta = np.where(d > 0, (-g - cross * delta_w) / safe_d, _F32(0))
     n_i = state["estimator.counts"]
     n = np.sum(n_i)
+    # Slope first (damped, capped, clamped); the intercepts then step given the slope
+    # step actually applied.
     step_w = np.clip(n / (n + _F32(c.damping + 1e-30)) * delta_w, -c.max_step, c.max_step)
+    slope = np.clip(state["estimator.slope"] + step_w, 0, c.max_abs_coef).astype(_F32)
+    applied_w = slope - state["estimator.slope"]
+    delta = np.where(d > 0, (-g - cross * applied_w) / safe_d, _F32(0))
     step = np.clip(n_i / (n_i + _F32(c.damping + 1e-30)) * delta, -c.max_step, c.max_step)
-    slope = state["estimator.slope"] + step_w
     intercepts = state["estimator.intercepts"] + step
     new = dict(state)
     new.update(self._fresh_estimator())
-    new["estimator.slope"] = np.clip(slope, 0, c.max_abs_coef).astype(_F32)
+    new["estimator.slope"] = slope
     new["estimator.intercepts"] = np.clip(intercepts, -c.max_abs_coef,
                                           c.max_abs_coef).astype(_F32)
     new["estimator.num_refits"] = state["estimator.num_refits"] + np.int32(1)

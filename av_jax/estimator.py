@@ -18,6 +18,11 @@ labelled; positions without labels get a zero step (never NaN); each step is cap
 overshooting); coefficients are clamped
 to `[-max_abs_coef, max_abs_coef]` (the slope to `[0, max_abs_coef]`) so an all-accept or
 all-reject stretch cannot push them to where a workload change takes many rounds to undo.
+The step is taken in that order, slope first: its Newton step is damped, capped and
+clamped, and only then do the intercepts take their Newton step *given the slope step
+actually applied* (`intercept_step`), so that when the slope sits at a clamp the
+intercepts do not move as if it had taken its unconstrained step. With the slope clamp
+binding this is the exact constrained Newton step of the round's quadratic model.
 For data-parallel replicas pass `axis_name` to `update`: the round's statistics are then
 summed over that mesh axis so every replica holds identical coefficients.
 
@@ -96,13 +101,13 @@ def newton_step(state: EstimatorState, *, l2: float) -> tuple[jax.Array, jax.Arr
 
   With `H = [[a, c^T], [c, diag(d)]]`, eliminating the intercepts gives the slope step
   `delta_w = (-g_w + sum_i c_i g_i / d_i) / (a - sum_i c_i^2 / d_i)` (all with l2 added
-  to a and d) and then `delta_i = (-g_i - c_i delta_w) / d_i`. An unlabelled position has
-  `c_i = g_i = d_i = 0`, so its step is exactly 0. The Schur complement is bounded below
-  by `l2` in exact arithmetic; it is clamped there so float32 cancellation (all features
-  equal in a round) cannot flip its sign.
+  to a and d) and then `delta_i = (-g_i - c_i delta_w) / d_i` (`intercept_step`). An
+  unlabelled position has `c_i = g_i = d_i = 0`, so its step is exactly 0. The Schur
+  complement is bounded below by `l2` in exact arithmetic; it is clamped there so float32
+  cancellation (all features equal in a round) cannot flip its sign.
 
   Returns:
-    `(delta_slope [], delta_intercepts [K])`.
+    `(delta_slope [], delta_intercepts [K])`, the unconstrained Newton step.
   """
   a = state.hess_slope + l2
   d = state.hess_diag + l2
@@ -110,9 +115,26 @@ def newton_step(state: EstimatorState, *, l2: float) -> tuple[jax.Array, jax.Arr
   c_over_d = jnp.where(d > 0, state.hess_cross / safe_d, 0.0)
   schur = jnp.maximum(a - jnp.sum(c_over_d * state.hess_cross), max(l2, 1e-12))
   delta_slope = (-state.grad_slope + jnp.sum(c_over_d * state.grad_intercepts)) / schur
-  delta_intercepts = jnp.where(
-      d > 0, (-state.grad_intercepts - state.hess_cross * delta_slope) / safe_d, 0.0)
-  return delta_slope, delta_intercepts
+  return delta_slope, intercept_step(state, delta_slope, l2=l2)
+
+
+def intercept_step(state: EstimatorState, slope_step: jax.Array, *, l2: float) -> jax.Array:
+  """The intercepts' Newton step given the slope step actually taken, in O(K).
+
+  The minimiser over the intercepts of the quadratic model
+  `g^T delta + delta^T (H + l2 I) delta / 2` with the slope step fixed at `slope_step`:
+  the intercept block of H is diagonal, so `delta_i = (-g_i - c_i slope_step) / d_i`.
+  With the unconstrained slope step this is the second half of `newton_step`; with a
+  clamped, damped or capped slope step it is the constrained Newton step (the intercepts
+  absorb what the slope could not do, instead of moving as if it had).
+
+  Returns:
+    `[K]` intercept step (exactly 0 at unlabelled positions).
+  """
+  d = state.hess_diag + l2
+  safe_d = jnp.where(d > 0, d, 1.0)
+  return jnp.where(
+      d > 0, (-state.grad_intercepts - state.hess_cross * slope_step) / safe_d, 0.0)
 
 
 def online_estimator(
@@ -185,19 +207,23 @@ def online_estimator(
     return jax.nn.sigmoid(logits)
 
   def refit(state: EstimatorState) -> EstimatorState:
-    delta_slope, delta_intercepts = newton_step(state, l2=l2)
+    # Slope first: Newton step, damped, capped by the trust region, then clamped to
+    # [0, max_abs_coef]; `applied` is the step the slope really takes.
+    delta_slope, _ = newton_step(state, l2=l2)
     n_i = state.counts
     n = jnp.sum(n_i)
     step_slope = jnp.clip(n / (n + damping + 1e-30) * delta_slope, -max_step, max_step)
+    slope = jnp.clip(state.slope + step_slope, 0.0, max_abs_coef)
+    applied = slope - state.slope
+    # Then the intercepts' Newton step given that slope step (not the unconstrained one),
+    # damped and capped the same way per position, then clamped.
+    delta_intercepts = intercept_step(state, applied, l2=l2)
     step_intercepts = jnp.clip(n_i / (n_i + damping + 1e-30) * delta_intercepts,
                                -max_step, max_step)
-    slope = state.slope + step_slope
-    intercepts = state.intercepts + step_intercepts
+    intercepts = jnp.clip(state.intercepts + step_intercepts, -max_abs_coef, max_abs_coef)
     fresh = init()
-    return fresh._replace(
-        slope=jnp.clip(slope, 0.0, max_abs_coef),
-        intercepts=jnp.clip(intercepts, -max_abs_coef, max_abs_coef),
-        num_refits=state.num_refits + 1)
+    return fresh._replace(slope=slope, intercepts=intercepts,
+                          num_refits=state.num_refits + 1)
 
   def update(state: EstimatorState, features: jax.typing.ArrayLike,
              accepted: jax.typing.ArrayLike, labeled: jax.typing.ArrayLike, *,

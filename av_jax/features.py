@@ -8,8 +8,15 @@ studies; the lossy ones read the drawn token and are flagged so the planner refu
 
 Numerics. Every feature is computed in log space from the logits. Features are finite:
 a distribution with a single support token (one-hot, or V = 1) has log-odds +inf, which
-is clipped to `FEATURE_CLIP`; the same clip bounds every other feature. Rows containing
-NaN produce NaN features, which the estimator treats as unlabelled (see `estimator`).
+is clipped to `FEATURE_CLIP`; the same clip bounds every other feature. A row containing
+a NaN logit gives a NaN feature, on every path and vocabulary size (checked explicitly:
+XLA:CPU's max may skip NaN on long rows). NaN is the honest answer for a faulty row: the
+engine treats a non-finite feature as a fault and falls back per slot, and the estimator
+never labels it (see `estimator`).
+
+Options: `temperature` >= 0 (0 = greedy) and `top_p` in (0, 1], checked as
+`av_jax.sampling.check_options` says (shapes at trace time, values when concrete, a
+`ValueError` naming the argument).
 """
 
 from __future__ import annotations
@@ -20,13 +27,19 @@ import jax
 import jax.numpy as jnp
 
 from av_jax import _checks
-from av_jax.sampling import row_option, sampling_log_probs, scaled_logits
+from av_jax.sampling import check_options, row_option, sampling_log_probs, scaled_logits
 
 # Features are clipped to [-FEATURE_CLIP, FEATURE_CLIP]. 30 nats of log-odds is a top
 # probability of 1 - 1e-13: beyond float32 resolution of the probability itself.
 FEATURE_CLIP = 30.0
 
 _NEG_INF = -jnp.inf
+
+
+def _nan_rows_to_nan(logits: jax.Array, feature: jax.Array) -> jax.Array:
+  """NaN wherever the row of logits holds a NaN (whatever the reductions did with it)."""
+  return jnp.where(jnp.any(jnp.isnan(logits), axis=-1), jnp.nan, feature)
+
 
 def _clip(feature: jax.Array) -> jax.Array:
   # NaN stays NaN (a bad row); +-inf become the documented bound.
@@ -50,35 +63,40 @@ def logit_qmax(
   maximum, so it is exact for ties and needs no normalisation pass: one max pass and
   one fused exp-sum pass over the logits (the engine's per-step hot path). A row with a
   single support token (one-hot, V = 1, a lone +inf) gives +inf, clipped to
-  +FEATURE_CLIP; a row of only -inf logits is read as uniform. NaN logits give NaN on
-  short rows, but XLA:CPU's max may skip NaN on long rows, so callers that must detect
-  bad rows check `isfinite` themselves (the engine does, per slot).
+  +FEATURE_CLIP; a row of only -inf logits is read as uniform. A row holding a NaN logit
+  gives NaN (checked explicitly, so also on long rows where XLA:CPU's max skips NaN).
 
   Args:
     logits: `[..., V]` draft logits.
-    temperature: scalar or `[...]`; <= 0 (greedy) uses the temperature-1 softmax.
-    top_p: scalar or `[...]` nucleus mass.
+    temperature: scalar or `[...]` >= 0; 0 (greedy) uses the temperature-1 softmax.
+    top_p: scalar or `[...]` nucleus mass in (0, 1].
 
   Returns:
     `[...]` float32 in `[-FEATURE_CLIP, FEATURE_CLIP]` (or NaN for NaN rows).
 
+  Raises:
+    ValueError: as `sampling_log_probs`, naming the argument.
+
   Example:
     >>> logit_qmax(jnp.log(jnp.array([0.8, 0.2])))  # log(0.8 / 0.2) = 1.386
   """
-  if not (isinstance(top_p, (int, float)) and top_p >= 1.0):
-    return _logit_qmax_reference(scaled_logits(logits, temperature, top_p))  # sort dominates
   logits = jnp.asarray(logits, dtype=jnp.float32)
   _checks.rank_at_least("logits", logits, 1)
+  check_options(logits, temperature, top_p)
+  if not (isinstance(top_p, (int, float)) and top_p >= 1.0):
+    return _nan_rows_to_nan(  # the nucleus dominates the cost here
+        logits, _logit_qmax_reference(scaled_logits(logits, temperature, top_p)))
   scale = row_option(temperature, logits)
   fast = _clip(-jnp.log(_rest_plus_ties(logits, jnp.where(scale > 0, scale, 1.0))))
   # Rows whose max is not finite (all -inf, a +inf, NaN) come out NaN from the fast path;
   # only then is the reference formula evaluated (lax.cond: free when no such row).
   bad = jnp.isnan(fast)
-  return jax.lax.cond(
+  feature = jax.lax.cond(
       jnp.any(bad),
       lambda: jnp.where(bad, _logit_qmax_reference(scaled_logits(logits, temperature, 1.0)),
                         fast),
       lambda: fast)
+  return _nan_rows_to_nan(logits, feature)
 
 
 def _logit_qmax_reference(scaled: jax.Array) -> jax.Array:
@@ -159,8 +177,9 @@ def top2_margin(
   log_probs = sampling_log_probs(logits, temperature=temperature, top_p=top_p)
   top2 = jax.lax.top_k(log_probs, min(2, log_probs.shape[-1]))[0]
   if log_probs.shape[-1] < 2:
-    return jnp.full(log_probs.shape[:-1], FEATURE_CLIP, jnp.float32)
-  return _clip(top2[..., 0] - top2[..., 1])
+    return _nan_rows_to_nan(log_probs, jnp.full(log_probs.shape[:-1], FEATURE_CLIP,
+                                                jnp.float32))
+  return _nan_rows_to_nan(log_probs, _clip(top2[..., 0] - top2[..., 1]))
 
 
 def neg_entropy(
@@ -176,7 +195,7 @@ def neg_entropy(
   log_probs = sampling_log_probs(logits, temperature=temperature, top_p=top_p)
   probs = jnp.exp(log_probs)
   plogp = jnp.where(probs == 0, 0.0, probs * log_probs)  # 0 log 0 = 0; NaN stays NaN
-  return _clip(jnp.sum(plogp, axis=-1))
+  return _nan_rows_to_nan(log_probs, _clip(jnp.sum(plogp, axis=-1)))
 
 
 def _sampled_log_prob(logits, tokens, temperature, top_p):

@@ -12,6 +12,14 @@ formula: the row `a` = number accepted, residual `max(0, p_a - [a < m] q_a)`.
 
 One-hot target probabilities reproduce greedy verification exactly: p(x) = 1 accepts with
 probability 1, p(x) = 0 rejects, and the residual is the one-hot arg-max.
+
+Draft ids outside [0, V). Ids in unverified positions are never read, so padding there
+(-1, or anything) is safe. An out-of-range id in a verified position is not a draw from
+q, so it can neither be accepted nor labelled: verification stops just before it (it is
+treated like the first unverified position: unlabelled, and the token emitted there is
+drawn from the target's p, which keeps the output exact whatever the bad id was). Under
+`jax.jit` values cannot raise, so this is the defined behaviour; called eagerly with
+concrete arrays, the functions raise a `ValueError` naming `draft_tokens` instead.
 """
 
 from __future__ import annotations
@@ -20,8 +28,34 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from av_jax import _checks
+
+
+def _is_concrete(*xs) -> bool:
+  """True when every array has a value now (an eager call), False under a trace."""
+  return not any(isinstance(x, jax.core.Tracer) for x in xs)
+
+
+def _valid_prefix(draft_tokens: jax.Array, num_verified: jax.Array, V: int) -> jax.Array:
+  """`num_verified` cut before the first draft id outside [0, V) (`[B]` int32).
+
+  Eagerly (concrete values) an out-of-range id in a verified position raises instead.
+  """
+  K = draft_tokens.shape[-1]
+  in_range = (draft_tokens >= 0) & (draft_tokens < V)
+  valid = jnp.sum(jnp.cumprod(in_range.astype(jnp.int32), axis=-1), axis=-1)
+  if _is_concrete(draft_tokens, num_verified):
+    verified = jnp.arange(K)[None, :] < num_verified[:, None]
+    bad = np.asarray(verified & ~in_range)
+    if bad.any():
+      b, i = (int(v[0]) for v in np.nonzero(bad))
+      raise ValueError(
+          f"draft_tokens: expected ids in [0, V={V}) at verified positions, got "
+          f"{int(draft_tokens[b, i])} at request {b}, position {i} (under jit such a "
+          "position ends verification instead)")
+  return jnp.minimum(num_verified, valid)
 
 
 class RejectionResult(NamedTuple):
@@ -65,6 +99,11 @@ def rejection_sample(
     A `RejectionResult`. Labels (spec section 6): accepted positions are labelled 1; the
     first rejected position is labelled 0; unverified positions are unlabelled.
 
+  Raises:
+    ValueError: on wrong shapes or dtypes; eagerly also on a draft id outside [0, V)
+      in a verified position (under jit that position ends verification; see the
+      module docstring).
+
   Example:
     >>> out = rejection_sample(key, draft_probs=q, draft_tokens=x, target_probs=p,
     ...                        num_verified=jnp.full((B,), K))
@@ -77,10 +116,14 @@ def rejection_sample(
   B, K, V = draft_probs.shape
   draft_tokens = draft_tokens.astype(jnp.int32)
   num_verified = jnp.clip(num_verified.astype(jnp.int32), 0, K)
+  num_verified = _valid_prefix(draft_tokens, num_verified, V)
   key_accept, key_emit = jax.random.split(key)
 
-  q_x = jnp.take_along_axis(draft_probs, draft_tokens[..., None], axis=-1)[..., 0]
-  p_x = jnp.take_along_axis(target_probs[:, :K], draft_tokens[..., None], axis=-1)[..., 0]
+  # Ids past the valid prefix are never accepted (masked by `verified` below); clipping
+  # only keeps the gather in range (JAX would read -1 as V - 1).
+  safe_tokens = jnp.clip(draft_tokens, 0, V - 1)
+  q_x = jnp.take_along_axis(draft_probs, safe_tokens[..., None], axis=-1)[..., 0]
+  p_x = jnp.take_along_axis(target_probs[:, :K], safe_tokens[..., None], axis=-1)[..., 0]
   u = jax.random.uniform(key_accept, (B, K))
   # Accept with probability min(1, p/q): u ~ U[0, 1) so u * q < p has exactly that
   # probability, needs no division, and rejects tokens the target gives p = 0.
@@ -112,6 +155,15 @@ def rejection_sample(
                          num_accepted=num_accepted, accepted=accepted, labeled=labeled)
 
 
+class RaggedRejectionResult(NamedTuple):
+  """Outcome of one verification step in the ragged layout (`rejection_sample_ragged`)."""
+  tokens: jax.Array        # [T+B] int32, emitted tokens in the target rows' layout, else -1
+  num_emitted: jax.Array   # [B] int32, num_accepted + 1
+  num_accepted: jax.Array  # [B] int32, accepted draft tokens of each request
+  accepted: jax.Array      # [T] bool, flat draft token accepted (each request's a prefix)
+  labeled: jax.Array       # [T] bool, flat draft token has an estimator label
+
+
 def rejection_sample_ragged(
     key: jax.Array,
     *,
@@ -120,27 +172,45 @@ def rejection_sample_ragged(
     num_draft_tokens: jax.typing.ArrayLike,
     target_probs: jax.typing.ArrayLike,
     max_draft_len: int,
-) -> jax.Array:
-  """`rejection_sample` in the ragged layout serving stacks use (vLLM / tpu-inference).
+) -> RaggedRejectionResult:
+  """`rejection_sample` in vLLM's ragged layout (flat drafts, interleaved target rows).
 
   Request b owns `num_draft_tokens[b]` consecutive draft tokens in the flat buffer and
-  `num_draft_tokens[b] + 1` target rows (its draft positions and its bonus row), in
-  request order. Every request verifies all its draft tokens (the planner already pruned
-  them). Same key, same tokens as the dense function on the padded batch.
+  `num_draft_tokens[b] + 1` consecutive target rows (its draft positions, then its bonus
+  row), in request order: the layout of the logits vLLM's model runner computes for
+  speculative decoding (`T + B` rows, before vLLM splits them into target and bonus
+  rows). Every request verifies all its draft tokens (the planner already pruned them).
+  Same key, same tokens and labels as the dense function on the padded batch.
+
+  This is not tpu-inference's layout (T target rows, bonus token ids sampled outside,
+  output `[T main | B bonus]`): for that one use
+  `av_jax.integrations.tpu_inference.RejectionSampler`; for vLLM's `[B, K + 1]` output
+  rows, `av_jax.integrations.vllm.rejection_sample`.
 
   Args:
     key: PRNG key.
     draft_probs: `[T, V]` draft distributions of the flat draft tokens.
-    draft_tokens: `[T]` int flat draft tokens.
-    num_draft_tokens: `[B]` int, summing to at most T (trailing entries are padding).
+    draft_tokens: `[T]` int flat draft tokens; entries past `sum(num_draft_tokens)` are
+      padding and never read.
+    num_draft_tokens: `[B]` int in [0, max_draft_len], summing to at most T.
     target_probs: `[T + B, V]` target distributions, request b's rows at
       `cu[b] + b ... cu[b] + b + num_draft_tokens[b]` with `cu` the exclusive cumsum.
     max_draft_len: static K, an upper bound of `num_draft_tokens`.
 
   Returns:
-    `[T + B]` int32 output tokens in the same ragged layout as `target_probs`: request b's
-    emitted tokens first, then -1 placeholders up to its `num_draft_tokens[b] + 1` slots;
-    rows past the last request are -1.
+    A `RaggedRejectionResult`: `tokens [T + B]` in the same layout as `target_probs`
+    (request b's emitted tokens first, then -1 placeholders up to its
+    `num_draft_tokens[b] + 1` rows; rows past the last request are -1); `accepted` and
+    `labeled` `[T]` in the flat draft order of `draft_tokens` (False past the last
+    request's drafts), ready for the estimator once scattered back to `[B, K]`.
+
+  Raises:
+    ValueError: on wrong shapes or dtypes; eagerly (concrete values) also when
+      `num_draft_tokens` leaves [0, max_draft_len] or sums to more than T, or a draft id
+      is outside [0, V). Under jit values cannot raise: counts are clipped to
+      [0, max_draft_len] and then cut, in request order, to fit T (the request crossing
+      the end verifies only the drafts that fit, later ones none), and the layout is
+      that of the cut counts; a bad id ends its request's verification.
   """
   draft_probs = jnp.asarray(draft_probs, jnp.float32)
   target_probs = jnp.asarray(target_probs, jnp.float32)
@@ -157,12 +227,22 @@ def rejection_sample_ragged(
   K = int(max_draft_len)
   if K < 1:
     raise ValueError(f"max_draft_len: expected >= 1, got {max_draft_len}")
+  if _is_concrete(num_draft_tokens):
+    counts_np = np.asarray(num_draft_tokens)
+    if counts_np.size and (counts_np.min() < 0 or counts_np.max() > K):
+      raise ValueError(f"num_draft_tokens: expected values in [0, max_draft_len={K}], "
+                       f"got {counts_np.tolist()}")
+    if counts_np.sum() > T:
+      raise ValueError(f"num_draft_tokens: expected a sum of at most T={T} (the flat "
+                       f"draft buffer), got {int(counts_np.sum())}")
 
   if T == 0:  # no draft token in the batch: gather from one dummy row, masked below
     draft_probs = jnp.zeros((1, V), jnp.float32)
     draft_tokens = jnp.zeros((1,), jnp.int32)
   counts = jnp.clip(num_draft_tokens.astype(jnp.int32), 0, K)
   starts = jnp.cumsum(counts) - counts  # exclusive cumsum: first draft row of b
+  counts = jnp.clip(T - starts, 0, counts)  # under jit: cut to fit the flat buffer
+  starts = jnp.cumsum(counts) - counts
   i = jnp.arange(K + 1)
   draft_rows = jnp.minimum(starts[:, None] + i[None, :K], max(T, 1) - 1)          # [B, K]
   target_rows = jnp.minimum(starts[:, None] + jnp.arange(B)[:, None] + i[None, :],
@@ -174,9 +254,16 @@ def rejection_sample_ragged(
       draft_tokens=jnp.where(in_draft, draft_tokens[draft_rows].astype(jnp.int32), 0),
       target_probs=target_probs[target_rows],
       num_verified=counts)
-  # Scatter each request's K + 1 outputs back to its target rows; padding rows (beyond
-  # a request's count + 1, or past the last request) stay -1.
+  # Scatter each request's K + 1 outputs back to its target rows and its K labels back
+  # to its draft rows; padding (beyond a request's count (+ 1), past the last request)
+  # stays -1 / False.
   own = i[None, :] <= counts[:, None]
   index = jnp.where(own, target_rows, T + B)  # out of range -> dropped
-  out = jnp.full((T + B,), -1, jnp.int32)
-  return out.at[index.reshape(-1)].set(dense.tokens.reshape(-1), mode="drop")
+  tokens = jnp.full((T + B,), -1, jnp.int32).at[index.reshape(-1)].set(
+      dense.tokens.reshape(-1), mode="drop")
+  flat = jnp.where(in_draft, draft_rows, T).reshape(-1)
+  accepted = jnp.zeros((T,), bool).at[flat].set(dense.accepted.reshape(-1), mode="drop")
+  labeled = jnp.zeros((T,), bool).at[flat].set(dense.labeled.reshape(-1), mode="drop")
+  return RaggedRejectionResult(tokens=tokens, num_emitted=dense.num_emitted,
+                               num_accepted=dense.num_accepted, accepted=accepted,
+                               labeled=labeled)

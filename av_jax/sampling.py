@@ -13,6 +13,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from av_jax import _checks
 
@@ -35,14 +36,39 @@ class Sampling:
     return self.temperature <= 0
 
 
-def row_option(value, logits: jax.Array) -> jax.Array:
+def row_option(value, logits: jax.Array, name: str = "option") -> jax.Array:
   """Broadcasts a per-row scalar option (`temperature`, `top_p`) to `[..., 1]`."""
   value = jnp.asarray(value, dtype=jnp.float32)
-  if value.ndim > logits.ndim - 1:
+  lead = tuple(logits.shape[:-1])
+  try:
+    fits = np.broadcast_shapes(value.shape, lead) == lead
+  except ValueError:
+    fits = False
+  if not fits:
     raise ValueError(
-        f"option has shape {value.shape}; expected a scalar or an array broadcastable "
-        f"to the leading dimensions {logits.shape[:-1]} of logits")
+        f"{name}: option has shape {value.shape}; expected a scalar or an array "
+        f"broadcastable to the leading dimensions {lead} of logits")
   return value[..., None]
+
+
+def check_options(logits: jax.Array, temperature, top_p) -> None:
+  """Refuses bad `temperature` / `top_p` with a `ValueError` naming the argument.
+
+  Shapes are checked at trace time; values whenever they are concrete (Python numbers,
+  or arrays outside jit): temperature >= 0 (0 = greedy), top_p in (0, 1]. Traced values
+  cannot be checked: a traced temperature <= 0 then reads as greedy, a top_p <= 0 keeps
+  only the top token(s), a top_p > 1 keeps everything.
+  """
+  for name, value in (("temperature", temperature), ("top_p", top_p)):
+    row_option(value, logits, name)
+    if isinstance(value, jax.core.Tracer):
+      continue
+    value = np.asarray(value, np.float64)
+    if name == "temperature" and not np.all(value >= 0):
+      raise ValueError(f"temperature: expected >= 0 (0 = greedy), got {value.tolist()}")
+    if name == "top_p" and not np.all((value > 0) & (value <= 1)):
+      raise ValueError(f"top_p: expected values in (0, 1] (1 = no filtering), got "
+                       f"{value.tolist()}")
 
 
 def _top_p_mask(log_probs: jax.Array, top_p: jax.Array) -> jax.Array:
@@ -109,18 +135,26 @@ def sampling_log_probs(
   """Log-probabilities of the distribution a sampler draws from.
 
   Applies temperature, then top-p (nucleus) filtering; filtered tokens get -inf.
-  A temperature <= 0 means greedy drafting; the distribution returned is then the
+  A temperature of 0 means greedy drafting; the distribution returned is then the
   temperature-1 softmax, from which features are computed (docs/algorithm.md section 2).
 
   Args:
     logits: `[..., V]` raw logits. -inf entries are allowed (banned tokens).
-    temperature: scalar or `[...]` per-row temperature.
+    temperature: scalar or `[...]` per-row temperature >= 0.
     top_p: scalar or `[...]` per-row nucleus mass in (0, 1]; 1 disables filtering.
 
   Returns:
     `[..., V]` float32 log-probabilities.
 
+  Raises:
+    ValueError: naming the argument, for logits of rank 0, an option whose shape does not
+      broadcast to the leading dimensions, or (when concrete) a temperature < 0 or a
+      top_p outside (0, 1] (`check_options`).
+
   Example:
     >>> lp = sampling_log_probs(jnp.array([2.0, 1.0, 0.0]), top_p=0.7)
   """
+  logits = jnp.asarray(logits, dtype=jnp.float32)
+  _checks.rank_at_least("logits", logits, 1)
+  check_options(logits, temperature, top_p)
   return jax.nn.log_softmax(scaled_logits(logits, temperature, top_p), axis=-1)

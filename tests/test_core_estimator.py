@@ -21,9 +21,8 @@ def _synthetic(rng, n_steps, B, K, slope=0.6, intercepts=None, label_rate=0.8):
   return f, y, labeled
 
 
-def _numpy_damped_newton(slope, intercepts, f, y, mask, *, damping, l2, max_abs_coef=20.0,
-                         max_step=2.0):
-  """Independent float64 reference: dense (K+1)x(K+1) Newton step, damped per coefficient."""
+def _numpy_gradient_hessian(slope, intercepts, f, y, mask):
+  """float64 gradient [K+1] and dense Hessian [K+1, K+1] of the log-loss, label by label."""
   K = f.shape[-1]
   f = f.reshape(-1, K).astype(np.float64)
   y = y.reshape(-1, K).astype(np.float64)
@@ -39,12 +38,28 @@ def _numpy_damped_newton(slope, intercepts, f, y, mask, *, damping, l2, max_abs_
     g += (mu - y[r, c]) * phi
     H += mu * (1 - mu) * np.outer(phi, phi)
     counts[c] += 1
-  delta = np.linalg.solve(H + l2 * np.eye(K + 1), -g)
+  return g, H, counts
+
+
+def _numpy_damped_newton(slope, intercepts, f, y, mask, *, damping, l2, max_abs_coef=20.0,
+                         max_step=2.0):
+  """Independent float64 reference of one refit, with dense linear algebra.
+
+  The slope's step is the slope entry of the dense Newton step, damped, capped and
+  clamped; the intercepts' step is then the dense solve of the intercept block given
+  that applied slope step (the minimiser of the quadratic model over the intercepts),
+  damped and capped per position, then clamped.
+  """
+  g, H, counts = _numpy_gradient_hessian(slope, intercepts, f, y, mask)
+  A = H + l2 * np.eye(len(g))
+  delta = np.linalg.solve(A, -g)
   n = counts.sum()
-  step = np.clip(np.r_[n / (n + damping), counts / (counts + damping)] * delta, -max_step,
-                 max_step)
-  new_slope = np.clip(slope + step[0], 0, max_abs_coef)
-  new_b = np.clip(intercepts + step[1:], -max_abs_coef, max_abs_coef)
+  step_w = np.clip(n / (n + damping) * delta[0], -max_step, max_step)
+  new_slope = np.clip(slope + step_w, 0, max_abs_coef)
+  applied = new_slope - slope
+  delta_b = np.linalg.solve(A[1:, 1:], -(g[1:] + A[1:, 0] * applied))
+  step_b = np.clip(counts / (counts + damping) * delta_b, -max_step, max_step)
+  new_b = np.clip(intercepts + step_b, -max_abs_coef, max_abs_coef)
   return new_slope, new_b
 
 
@@ -69,6 +84,99 @@ def test_refit_equals_float64_numpy_newton_step(maybe_jit, K):
     assert float(state.intercepts[-1]) == 0.5  # no labels: intercept kept exactly
   chex.assert_trees_all_equal(state.counts, jnp.zeros(K))
   assert int(state.step) == 0 and int(state.num_refits) == 1
+
+
+def _issue_case(est):
+  """K = 1 from (slope 0, intercept 0): 800/1000 accepted at f = 0, 200/1000 at f = 4."""
+  f = np.r_[np.zeros(1000), np.full(1000, 4.0)].astype(np.float32)[:, None]
+  y = np.r_[np.arange(1000) < 800, np.arange(1000) < 200][:, None]
+  return est.update(est.init(), f, y, np.ones_like(y))
+
+
+@pytest.mark.parametrize("damping", [0.0, 50.0])
+def test_slope_clamp_binding_keeps_the_constrained_mle(maybe_jit, damping):
+  """Issue case: the observed rate is 0.5 and the data favour a negative slope, so the
+  maximum-likelihood fit with slope >= 0 is the start (0, 0). The slope is clamped at 0;
+  the intercept must take its step given that clamped slope step (0), not the step it
+  would take alongside the unconstrained (negative) slope step."""
+  est = av_jax.online_estimator(1, refit_interval=1000, damping=damping, init_slope=0.0,
+                                init_intercept=0.0)
+  state = maybe_jit(est.refit)(_issue_case(est))
+  assert float(state.slope) == 0.0
+  np.testing.assert_allclose(state.intercepts, [0.0], atol=1e-6)
+  np.testing.assert_allclose(est.predict(state, jnp.array([[0.0], [4.0]])), 0.5, atol=1e-6)
+  # Negative control: the unconstrained joint step moves the intercept to ~1.17 (the old
+  # behaviour); the test above is the one that tells the two apart.
+  delta_slope, delta_intercepts = av_jax.estimator.newton_step(_issue_case(est), l2=1e-3)
+  assert float(delta_slope) < -0.3 and float(delta_intercepts[0]) > 1.0
+
+
+def _constrained_case(rng, K):
+  """A round from a small slope whose data favour a true slope in [-1.5, 1]: for
+  many seeds the clamp at 0 binds, for the others it does not."""
+  slope = float(rng.uniform(0.0, 0.3))
+  intercepts = rng.normal(0.0, 1.0, K)
+  f, y, labeled = _synthetic(rng, 2, 64, K, slope=float(rng.uniform(-1.5, 1.0)),
+                             intercepts=rng.normal(0.0, 1.0, K), label_rate=0.9)
+  return slope, intercepts, f, y, labeled
+
+
+@pytest.mark.parametrize("K", [1, 3, 6])
+def test_refit_is_the_float64_constrained_newton_step(K):
+  """Random rounds, no damping, no trust region: the refit equals the minimiser of the
+  round's quadratic model subject to slope >= 0, certified by its KKT conditions in
+  float64 (intercept gradient 0; slope gradient 0 inside, >= 0 at the bound)."""
+  rng = np.random.default_rng(10 + K)
+  est = av_jax.online_estimator(K, refit_interval=1000, damping=0.0, l2=1e-3,
+                                max_step=1e6, max_abs_coef=1e6)
+  refit, update = jax.jit(est.refit), jax.jit(est.update)
+  bound = 0
+  for _ in range(12):
+    slope, intercepts, f, y, labeled = _constrained_case(rng, K)
+    state = est.init()._replace(slope=jnp.float32(slope),
+                                intercepts=jnp.asarray(intercepts, jnp.float32))
+    for t in range(2):
+      state = update(state, f[t], y[t], labeled[t])
+    new = refit(state)
+    g, H, _ = _numpy_gradient_hessian(np.float32(slope), intercepts.astype(np.float32), f, y,
+                                      labeled)
+    A = H + 1e-3 * np.eye(K + 1)
+    x = np.r_[float(new.slope) - np.float32(slope),
+              np.asarray(new.intercepts, np.float64) - intercepts.astype(np.float32)]
+    grad = g + A @ x                                   # gradient of the model at the step
+    scale = np.abs(g).max() + 1.0
+    np.testing.assert_allclose(grad[1:], 0.0, atol=2e-4 * scale)
+    if float(new.slope) == 0.0:                        # at the bound: no descent inward
+      bound += 1
+      assert grad[0] >= -2e-4 * scale
+    else:
+      np.testing.assert_allclose(grad[0], 0.0, atol=2e-4 * scale)
+    # The same step from the dense reference (intercepts solved given the clamped slope).
+    want_slope, want_b = _numpy_damped_newton(np.float32(slope), intercepts.astype(np.float32),
+                                              f, y, labeled, damping=0.0, l2=1e-3,
+                                              max_abs_coef=1e6, max_step=1e6)
+    np.testing.assert_allclose(new.slope, want_slope, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(new.intercepts, want_b, rtol=1e-4, atol=1e-4)
+  assert 3 <= bound < 12  # both the binding and the free case were exercised
+
+
+def test_capped_and_damped_slope_step_moves_the_intercepts_consistently():
+  """With the trust region and damping binding on the slope, the intercepts step given
+  the slope step applied (dense float64 reference)."""
+  rng = np.random.default_rng(21)
+  K = 3
+  f, y, labeled = _synthetic(rng, 3, 64, K, slope=3.0, intercepts=np.array([0.5, 0., -.5]))
+  est = av_jax.online_estimator(K, refit_interval=1000, damping=20.0, l2=1e-3,
+                                init_slope=0.0, init_intercept=0.0, max_step=0.5)
+  state = est.init()
+  for t in range(3):
+    state = est.update(state, f[t], y[t], labeled[t])
+  new = est.refit(state)
+  assert float(new.slope) == 0.5  # the trust region binds on the slope
+  want_slope, want_b = _numpy_damped_newton(0.0, np.zeros(K), f, y, labeled, damping=20.0,
+                                            l2=1e-3, max_step=0.5)
+  np.testing.assert_allclose(new.slope, want_slope, rtol=1e-5)
+  np.testing.assert_allclose(new.intercepts, want_b, rtol=1e-4, atol=1e-5)
 
 
 def test_many_rounds_converge_to_sklearn_mle():

@@ -207,3 +207,41 @@ def test_top_p_bisection_equals_sort_definition(maybe_jit, top_p):
   want = S._top_p_mask_by_sort(log_probs, jnp.float32(top_p))
   np.testing.assert_array_equal(got, want)
   assert np.all(np.asarray(got).sum(-1) >= 1)
+
+
+@pytest.mark.parametrize("V,jit", [(7, False), (7, True), (4096, True), (3 * 8192, True)])
+def test_nan_logit_gives_nan_feature_on_every_path(V, jit):
+  """A NaN anywhere in a row gives NaN (the documented contract), also on long rows
+  where XLA:CPU's max skips NaN and the fast path alone returned a finite value."""
+  rng = np.random.default_rng(V)
+  logits = rng.normal(size=(3, V)).astype(np.float32)
+  logits[0, V // 2] = np.nan        # NaN in the middle of a row
+  logits[1, -1] = np.nan            # NaN at the end (the last chunk)
+  for kwargs in ({}, {"temperature": 0.7}, {"top_p": 0.9}):
+    for name in ("logit_qmax", "top2_margin", "neg_entropy"):
+      fn = lambda l: F.FEATURES[name](l, **kwargs)
+      got = np.asarray((jax.jit(fn) if jit else fn)(logits))
+      assert np.isnan(got[:2]).all() and np.isfinite(got[2]), (name, kwargs, got)
+
+
+def test_bad_options_raise_value_error_naming_them():
+  logits = jnp.zeros((2, 3, 5))
+  for fn in (av_jax.logit_qmax, av_jax.sampling_log_probs, av_jax.neg_entropy):
+    for top_p in (0.0, -0.5, 1.5, np.array([[0.5, 0.9, 1.2], [1.0] * 3])):
+      with pytest.raises(ValueError, match=r"^top_p: expected values in \(0, 1\]"):
+        fn(logits, top_p=top_p)
+    for temperature in (-1.0, np.array([0.5, -0.1])[:, None], float("nan")):
+      with pytest.raises(ValueError, match=r"^temperature: expected >= 0"):
+        fn(logits, temperature=temperature)
+    with pytest.raises(ValueError, match=r"^temperature: option has shape \(2,\)"):
+      fn(logits, temperature=jnp.ones((2,)))      # [2] does not broadcast to [2, 3]
+    with pytest.raises(ValueError, match=r"^top_p: option has shape \(2, 2\)"):
+      fn(logits, top_p=jnp.full((2, 2), 0.5))
+  # Valid edge values pass: temperature 0 (greedy), top_p 1, per-row arrays.
+  av_jax.logit_qmax(logits, temperature=0.0, top_p=1.0)
+  av_jax.logit_qmax(logits, temperature=np.ones((2, 1)), top_p=np.full((2, 3), 0.5))
+  # Under jit traced values cannot be checked: documented, and the shape still is.
+  got = jax.jit(lambda l, p: av_jax.logit_qmax(l, top_p=p))(logits, jnp.float32(1.5))
+  np.testing.assert_allclose(got, av_jax.logit_qmax(logits), rtol=1e-6)
+  with pytest.raises(ValueError, match="^temperature"):
+    jax.jit(lambda l, t: av_jax.logit_qmax(l, temperature=t))(logits, jnp.ones((4,)))

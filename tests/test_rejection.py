@@ -439,16 +439,27 @@ def test_ragged_equals_dense_relaid(seed, jit):
   saw_accept = False
   for k in range(10 if jit else 1):
     key = _key(100 * seed + k)
-    out = np.asarray(ragged(key, draft_probs=flat_q, draft_tokens=flat_x,
-                            num_draft_tokens=counts.astype(np.int32), target_probs=flat_p,
-                            max_draft_len=K))
+    result = ragged(key, draft_probs=flat_q, draft_tokens=flat_x,
+                    num_draft_tokens=counts.astype(np.int32), target_probs=flat_p,
+                    max_draft_len=K)
+    out = np.asarray(result.tokens)
     ref = dense(key, draft_probs=draft_probs, draft_tokens=draft_tokens,
                 target_probs=target_probs, num_verified=counts.astype(np.int32))
     expected = np.full(flat_p.shape[0], -1, np.int32)
+    T = flat_x.shape[0]
+    want_accepted, want_labeled = np.zeros(T, bool), np.zeros(T, bool)
+    cu = np.cumsum(counts) - counts
     for b in range(B):
       expected[rows[b]] = np.asarray(ref.tokens)[b, :counts[b] + 1]
+      want_accepted[cu[b]:cu[b] + counts[b]] = np.asarray(ref.accepted)[b, :counts[b]]
+      want_labeled[cu[b]:cu[b] + counts[b]] = np.asarray(ref.labeled)[b, :counts[b]]
     chex.assert_shape(out, (flat_p.shape[0],))
+    chex.assert_shape([result.accepted, result.labeled], (T,))
     np.testing.assert_array_equal(out, expected)
+    np.testing.assert_array_equal(result.accepted, want_accepted)  # flat draft order
+    np.testing.assert_array_equal(result.labeled, want_labeled)
+    np.testing.assert_array_equal(result.num_accepted, ref.num_accepted)
+    np.testing.assert_array_equal(result.num_emitted, ref.num_emitted)
     saw_accept |= bool(np.any(np.asarray(ref.num_accepted) > 0))
   assert saw_accept
 
@@ -461,4 +472,96 @@ def test_ragged_with_no_draft_tokens_at_all(maybe_jit):
       _key(0), draft_probs=np.zeros((0, V), np.float32),
       draft_tokens=np.zeros((0,), np.int32), num_draft_tokens=np.zeros((B,), np.int32),
       target_probs=target, max_draft_len=2)
-  np.testing.assert_array_equal(out, [2, 0, 3])
+  np.testing.assert_array_equal(out.tokens, [2, 0, 3])
+  np.testing.assert_array_equal(out.num_emitted, [1, 1, 1])
+  chex.assert_shape([out.accepted, out.labeled], (0,))
+
+
+def test_ragged_counts_that_do_not_fit_are_refused_eagerly_and_cut_under_jit():
+  """sum(num_draft_tokens) > T: a ValueError with concrete values; under jit the counts
+  are cut in request order to fit T (documented), never read out of bounds."""
+  V = 4
+  x = np.array([1, 2, 3], np.int32)
+  q = np.full((3, V), 0.25, np.float32)
+  p = np.eye(V, dtype=np.float32)[[1, 2, 0, 3, 1]]      # T + B = 5 rows
+  args = dict(draft_probs=q, draft_tokens=x, target_probs=p, max_draft_len=2)
+  with pytest.raises(ValueError, match="^num_draft_tokens: expected a sum of at most T=3"):
+    av_jax.rejection_sample_ragged(_key(0), num_draft_tokens=np.array([2, 2], np.int32),
+                                   **args)
+  with pytest.raises(ValueError, match=r"^num_draft_tokens: expected values in \[0"):
+    av_jax.rejection_sample_ragged(_key(0), num_draft_tokens=np.array([3, 0], np.int32),
+                                   **args)
+  with pytest.raises(ValueError, match=r"^num_draft_tokens: expected values in \[0"):
+    av_jax.rejection_sample_ragged(_key(0), num_draft_tokens=np.array([-1, 2], np.int32),
+                                   **args)
+  run = jax.jit(av_jax.rejection_sample_ragged, static_argnames="max_draft_len")
+  out = run(_key(0), num_draft_tokens=np.array([2, 2], np.int32), **args)
+  # Cut to [2, 1]: request 0 rows 0-2 (drafts 1, 2 accepted, bonus from row 2 = 0);
+  # request 1 rows 3-4 (draft 3 accepted by one-hot row 3, bonus from row 4 = 1).
+  np.testing.assert_array_equal(out.tokens, [1, 2, 0, 3, 1])
+  np.testing.assert_array_equal(out.num_accepted, [2, 1])
+  np.testing.assert_array_equal(out.accepted, [True, True, True])
+
+
+def _issue_invalid_id_case():
+  """q uniform; p at position 1 on token 1 (accepted surely), at position 2 all on V - 1:
+  read as V - 1, the id -1 would be accepted with probability 1."""
+  V = 4
+  q = np.full((1, 2, V), 1.0 / V, np.float32)
+  p = np.stack([np.eye(V)[1], np.eye(V)[V - 1], np.full(V, 1.0 / V)])[None].astype(np.float32)
+  return dict(draft_probs=q, draft_tokens=np.array([[1, -1]], np.int32), target_probs=p,
+              num_verified=np.array([2], np.int32))
+
+
+def test_out_of_range_draft_id_is_never_accepted_nor_labelled():
+  args = _issue_invalid_id_case()
+  out = jax.jit(av_jax.rejection_sample)(_key(0), **args)
+  np.testing.assert_array_equal(out.tokens, [[1, 3, -1]])   # emitted from p (all on 3)
+  np.testing.assert_array_equal(out.num_accepted, [1])
+  np.testing.assert_array_equal(out.accepted, [[True, False]])
+  np.testing.assert_array_equal(out.labeled, [[True, False]])  # not a draw from q
+  # The same id as unverified padding is safe, and ids >= V are treated like -1.
+  for tokens, nv in (([[1, -1]], 1), ([[1, 4]], 2), ([[-7, 4]], 0)):
+    out = jax.jit(av_jax.rejection_sample)(
+        _key(1), **{**args, "draft_tokens": np.array(tokens, np.int32),
+                    "num_verified": np.array([nv], np.int32)})
+    assert int(out.num_accepted[0]) == min(nv, 1)
+    assert not bool(out.labeled[0, 1])
+  # Eagerly, a bad id in a verified position raises, naming the argument; padding doesn't.
+  with pytest.raises(ValueError, match=r"^draft_tokens: expected ids in \[0, V=4\)"):
+    av_jax.rejection_sample(_key(0), **args)
+  out = av_jax.rejection_sample(_key(0), **{**args, "num_verified": np.array([1], np.int32)})
+  np.testing.assert_array_equal(out.tokens, [[1, 3, -1]])
+
+
+def test_out_of_range_draft_id_emits_from_the_target_law():
+  """Where a bad id ends verification, the token emitted there follows p exactly (the
+  bad id carries no information): 2**16 draws against a non-degenerate p."""
+  V, n = 5, 2**16
+  rng = np.random.default_rng(3)
+  q = rng.dirichlet(np.ones(V), size=(1, 1)).astype(np.float32)
+  p = rng.dirichlet(np.ones(V), size=(1, 2)).astype(np.float32)
+
+  def one(key, token):
+    return av_jax.rejection_sample(key, draft_probs=q, draft_tokens=token[None, None],
+                                   target_probs=p, num_verified=jnp.array([1])).tokens[0, 0]
+
+  keys = jax.random.split(_key(4), n)
+  run = jax.jit(jax.vmap(one, in_axes=(0, None)))
+  assert_law(run(keys, jnp.int32(-1)), p[0, 0], "bad id: emitted token")
+  # Negative control: a valid id that q proposes is accepted at rate min(1, p/q) and
+  # the emitted law is then not p in general; the test above must tell them apart.
+  x = int(np.argmax(q[0, 0] / p[0, 0]))
+  with pytest.raises(AssertionError):
+    assert_law(run(keys, jnp.int32(x)), p[0, 0], "valid id (control)")
+
+
+def test_ragged_out_of_range_ids_in_padding_are_safe():
+  V = 4
+  x = np.array([1, -1, -1], np.int32)                 # one draft, then padding ids
+  out = jax.jit(av_jax.rejection_sample_ragged, static_argnames="max_draft_len")(
+      _key(0), draft_probs=np.full((3, V), 0.25, np.float32), draft_tokens=x,
+      num_draft_tokens=np.array([1, 0], np.int32),
+      target_probs=np.eye(V, dtype=np.float32)[[1, 2, 3, 0, 0]], max_draft_len=2)
+  np.testing.assert_array_equal(out.tokens, [1, 2, 3, -1, -1])
+  np.testing.assert_array_equal(out.accepted, [True, False, False])

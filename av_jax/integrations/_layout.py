@@ -1,0 +1,148 @@
+"""Ragged <-> dense layout helpers shared by the serving-stack adapters.
+
+Serving stacks pack the drafts of B requests into one flat buffer of T rows: request b
+owns `num_draft_tokens[b]` consecutive rows, in request order, and rows past
+`sum(num_draft_tokens)` are padding. AV plans on a dense `[B, K]` batch and verifies the
+first `num_verified[b]` drafts of request b, so its plan *is* the stacks' per-request
+draft length: `num_draft_tokens = num_verified`.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from av_jax import _checks
+
+
+class RaggedIndex(NamedTuple):
+  """Where each request's drafts sit in the flat buffer."""
+  counts: jax.Array    # [B] int32, drafts of request b (clipped to [0, K], cut to fit T)
+  starts: jax.Array    # [B] int32, first flat row of request b
+  rows: jax.Array      # [B, K] int32, flat row of draft i of request b (clamped in range)
+  in_draft: jax.Array  # [B, K] bool, i < counts[b]
+
+
+def _is_concrete(*xs) -> bool:
+  return not any(isinstance(x, jax.core.Tracer) for x in xs)
+
+
+def check_counts(num_draft_tokens: jax.Array, *, num_tokens: int, max_draft_len: int,
+                 name: str = "num_draft_tokens") -> None:
+  """Eagerly (concrete values) refuses counts outside [0, K] or summing past T."""
+  if not _is_concrete(num_draft_tokens):
+    return
+  counts = np.asarray(num_draft_tokens)
+  if counts.size and (counts.min() < 0 or counts.max() > max_draft_len):
+    raise ValueError(f"{name}: expected values in [0, max_draft_len={max_draft_len}], "
+                     f"got {counts.tolist()}")
+  if counts.sum() > num_tokens:
+    raise ValueError(f"{name}: expected a sum of at most T={num_tokens} (the flat draft "
+                     f"buffer), got {int(counts.sum())}")
+
+
+def ragged_index(num_draft_tokens: jax.Array, *, num_tokens: int,
+                 max_draft_len: int) -> RaggedIndex:
+  """The `[B, K]` view of a flat buffer of `num_tokens` rows.
+
+  Under jit counts are clipped to [0, K] and cut, in request order, to fit T.
+  """
+  T, K = num_tokens, max_draft_len
+  counts = jnp.clip(jnp.asarray(num_draft_tokens).astype(jnp.int32), 0, K)
+  starts = jnp.cumsum(counts) - counts
+  counts = jnp.clip(T - starts, 0, counts)
+  starts = jnp.cumsum(counts) - counts
+  i = jnp.arange(K)
+  rows = jnp.minimum(starts[:, None] + i[None, :], max(T, 1) - 1)
+  return RaggedIndex(counts=counts, starts=starts, rows=rows,
+                     in_draft=i[None, :] < counts[:, None])
+
+
+def to_flat(values: jax.Array, index: RaggedIndex, *, num_tokens: int, fill) -> jax.Array:
+  """Scatters `[B, K, ...]` per-draft values to the flat `[T, ...]` rows; `fill` elsewhere."""
+  flat_rows = jnp.where(index.in_draft, index.rows, num_tokens).reshape(-1)
+  out = jnp.full((num_tokens,) + values.shape[2:], fill, values.dtype)
+  return out.at[flat_rows].set(values.reshape((-1,) + values.shape[2:]), mode="drop")
+
+
+def pack_drafts(
+    draft_tokens: jax.typing.ArrayLike,
+    num_verified: jax.typing.ArrayLike,
+    *,
+    draft_probs: jax.typing.ArrayLike | None = None,
+    num_tokens: int | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+  """AV's plan as a stack's flat spec-decode inputs.
+
+  Request b's first `num_verified[b]` drafts are packed consecutively, in request order;
+  the rest of the buffer is padding (-1 ids, zero probabilities).
+
+  Args:
+    draft_tokens: `[B, K]` int drafts (AV's dense layout).
+    num_verified: `[B]` int, the plan's verified positions per request (AV's
+      `Plan.num_verified`); becomes `num_draft_tokens`.
+    draft_probs: optional `[B, K, V]` draft distributions.
+    num_tokens: static T of the flat buffer; default B * K (always enough).
+
+  Returns:
+    `(draft_token_ids [T], num_draft_tokens [B], draft_probs [T, V] or None)`.
+  """
+  draft_tokens = jnp.asarray(draft_tokens)
+  num_verified = jnp.asarray(num_verified)
+  _checks.rank("draft_tokens", draft_tokens, 2, "BK")
+  _checks.integer("draft_tokens", draft_tokens)
+  B, K = draft_tokens.shape
+  _checks.shape("num_verified", num_verified, (B,), "B")
+  _checks.integer("num_verified", num_verified)
+  T = B * K if num_tokens is None else int(num_tokens)
+  check_counts(num_verified, num_tokens=T, max_draft_len=K, name="num_verified")
+  if draft_probs is not None:
+    draft_probs = jnp.asarray(draft_probs, jnp.float32)
+    _checks.rank("draft_probs", draft_probs, 3, "BKV")
+    _checks.shape("draft_probs", draft_probs, (B, K, None), "BKV")
+  return _pack(draft_tokens, num_verified, draft_probs, num_tokens=T)
+
+
+@functools.partial(jax.jit, static_argnames="num_tokens")
+def _pack(draft_tokens, num_verified, draft_probs, *, num_tokens):
+  K = draft_tokens.shape[1]
+  index = ragged_index(num_verified, num_tokens=num_tokens, max_draft_len=K)
+  ids = to_flat(draft_tokens.astype(jnp.int32), index, num_tokens=num_tokens, fill=-1)
+  probs = (None if draft_probs is None
+           else to_flat(draft_probs, index, num_tokens=num_tokens, fill=0.0))
+  return ids, index.counts, probs
+
+
+def to_dense_labels(
+    accepted: jax.typing.ArrayLike,
+    labeled: jax.typing.ArrayLike,
+    num_draft_tokens: jax.typing.ArrayLike,
+    *,
+    max_draft_len: int,
+) -> tuple[jax.Array, jax.Array]:
+  """Flat `[T]` labels back to AV's `[B, K]` (what `make_decision` / the estimator take).
+
+  Returns:
+    `(accepted [B, K], labeled [B, K])` bool; positions past a request's drafts False.
+  """
+  accepted = jnp.asarray(accepted)
+  labeled = jnp.asarray(labeled)
+  _checks.rank("accepted", accepted, 1, "T")
+  _checks.shape("labeled", labeled, accepted.shape, "T")
+  return _to_dense(accepted, labeled, jnp.asarray(num_draft_tokens),
+                   max_draft_len=int(max_draft_len))
+
+
+@functools.partial(jax.jit, static_argnames="max_draft_len")
+def _to_dense(accepted, labeled, num_draft_tokens, *, max_draft_len):
+  index = ragged_index(num_draft_tokens, num_tokens=accepted.shape[0],
+                       max_draft_len=max_draft_len)
+  if accepted.shape[0] == 0:
+    shape = index.in_draft.shape
+    return jnp.zeros(shape, bool), jnp.zeros(shape, bool)
+  return (index.in_draft & accepted[index.rows].astype(bool),
+          index.in_draft & labeled[index.rows].astype(bool))

@@ -1,0 +1,310 @@
+"""Adaptive Verification behind tpu-inference's `RejectionSampler` interface.
+
+tpu-inference (vllm-project/tpu-inference, `tpu_inference/layers/jax/sample/
+rejection_sampler.py`) calls its sampler as
+
+    sampler = RejectionSampler(mesh)
+    output = sampler(draft_token_ids [T], num_draft_tokens [B], draft_probs [T, V] or None,
+                     target_logits [T, V], bonus_token_ids [B], sampling_metadata, key)
+
+with T target rows (one per draft; the bonus tokens are sampled outside) and returns
+`[T main | B bonus]`: main row t is the draft if accepted, the recovered token at the
+first rejection, else -1; bonus b is `bonus_token_ids[b]` when request b accepted all
+its drafts (or had none), else -1. With a data-parallel mesh (axes in `DATA_AXES`, size
+dp > 1) the inputs are split into dp equal blocks of requests and rows and the output is
+`[main_0 | bonus_0 | main_1 | bonus_1 ...]`, as tpu-inference's `shard_map` lays it out.
+`RejectionSampler` here is a drop-in with that argument order and output layout; its
+sampling is AV's exact speculative sampler (`av_jax.rejection_sample`).
+
+Sampling conventions (`sampling_metadata`: any object with fields `do_sampling`,
+`temperature [B]`, `top_k [B]`, `top_p [B]`, `logprobs`):
+  * `do_sampling` False: greedy for every request, as tpu-inference: a draft is accepted
+    iff it is the arg-max of its target logits (first index on ties), the recovered
+    token is that arg-max; `draft_probs`, `key` and the other fields are not read.
+  * `do_sampling` True: per request, the target law is the one tpu-inference's own
+    non-speculative sampler (`sampling.sample`) draws from: logits / temperature, then
+    top-k (k > 0; ties with the k-th value kept), then top-p (p < 1; the smallest set of
+    mass >= p, ties kept) - the same order and conventions as vLLM. A request with
+    temperature < 1e-5 (tpu-inference pads with -1) is greedy, again as its sampler.
+    tpu-inference's rejection sampler instead masks top-k/top-p before the temperature
+    and divides by `temperature + 1e-9`; the two differ only when top-k/top-p are on and
+    the temperature is not 1, and this adapter keeps speculative decoding exact with
+    respect to the non-speculative sampler. `draft_probs=None` (n-gram drafts) treats
+    each draft as a point mass (accept with probability p(x), recover from p without x),
+    as tpu-inference does. `key` is required, as there.
+  * `logprobs` is not read (no logprobs are computed here).
+Rows past `sum(num_draft_tokens)` (padding) are -1 in the main output; tpu-inference
+would count them as further drafts of the last request, so callers pass T equal to the
+sum or ignore those rows (its `parse_output` does).
+
+AV glue: `pack_drafts` turns AV's plan (`draft_tokens [B, K]`, `Plan.num_verified [B]`)
+into `draft_token_ids` / `num_draft_tokens`; `labels_from_output` recovers the
+estimator's `[B, K]` labels (and `num_rejected_tokens`) from the output alone, and
+`RejectionSampler.sample_with_labels` returns the exact labels alongside the output.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from av_jax import _checks
+from av_jax.sampling import sampling_log_probs
+from av_jax.integrations._layout import (check_counts, pack_drafts, ragged_index, to_dense_labels,
+                                         to_flat)
+from av_jax.rejection import rejection_sample
+
+__all__ = ["DATA_AXES", "GREEDY_TEMPERATURE_EPS", "PLACEHOLDER_TOKEN_ID", "RejectionSampler",
+           "TpuRejectionOutput", "labels_from_output", "pack_drafts", "to_dense_labels"]
+
+PLACEHOLDER_TOKEN_ID = -1
+# Requests with a temperature below this are greedy (tpu-inference's `_SAMPLING_EPS`).
+GREEDY_TEMPERATURE_EPS = 1e-5
+# Mesh axes tpu-inference shards the sampler's requests over (its `ATTN_DATA`).
+DATA_AXES = ("data", "pcp", "attn_dp", "attn_dp_expert")
+
+
+class TpuRejectionOutput(NamedTuple):
+  """tpu-inference's output plus AV's labels (`RejectionSampler.sample_with_labels`)."""
+  output_token_ids: jax.Array  # [T + B] int32, [main | bonus] per data-parallel block
+  num_accepted: jax.Array      # [B] int32, accepted drafts per request
+  accepted: jax.Array          # [T] bool, flat draft accepted
+  labeled: jax.Array           # [T] bool, flat draft has an estimator label
+
+
+def _data_parallel_size(mesh) -> int:
+  if mesh is None:
+    return 1
+  shape = dict(mesh.shape)
+  return math.prod(shape.get(axis, 1) for axis in DATA_AXES)
+
+
+def _target_probs(logits, greedy, temperature, top_k, top_p):
+  """Per-row target law: greedy rows one-hot at the arg-max of the raw logits; others
+  logits / temperature, top-k, then top-p (see the module docstring)."""
+  V = logits.shape[-1]
+  one_hot = jax.nn.one_hot(jnp.argmax(logits, axis=-1), V, dtype=jnp.float32)
+  scaled = logits / jnp.where(greedy, 1.0, temperature)[:, None]
+  kth = jnp.take_along_axis(-jnp.sort(-scaled, axis=-1),
+                            jnp.clip(top_k - 1, 0, V - 1)[:, None], axis=-1)
+  use_k = ((top_k > 0) & (top_k < V))[:, None]
+  scaled = jnp.where(use_k & (scaled < kth), -jnp.inf, scaled)
+  probs = jnp.exp(sampling_log_probs(scaled, top_p=top_p))
+  return jnp.where(greedy[:, None], one_hot, probs)
+
+
+def _row_requests(num_draft_tokens, dp, t):
+  """`[T]` request owning each flat row (rows are in request order within each block;
+  block r holds requests r*b ... r*b + b - 1); padding rows get the block's last one."""
+  counts = jnp.clip(num_draft_tokens, 0, None).reshape(dp, -1)
+  b = counts.shape[1]
+  local = jax.vmap(lambda c: jnp.repeat(jnp.arange(b), c, total_repeat_length=t))(counts)
+  return (local + b * jnp.arange(dp)[:, None]).reshape(-1)
+
+
+@functools.partial(jax.jit, static_argnames=("do_sampling", "dp", "max_draft_len"))
+def _forward(draft_token_ids, num_draft_tokens, draft_probs, target_logits, bonus_token_ids,
+             temperature, top_k, top_p, key, *, do_sampling, dp, max_draft_len):
+  T, V = target_logits.shape
+  B = num_draft_tokens.shape[0]
+  t, b, K = T // dp, B // dp, max_draft_len
+  logits = target_logits.astype(jnp.float32)
+  if do_sampling and T:
+    row = _row_requests(num_draft_tokens, dp, t)
+    target = _target_probs(logits, temperature[row] < GREEDY_TEMPERATURE_EPS,
+                           temperature[row], top_k[row], top_p[row])
+  else:
+    target = jax.nn.one_hot(jnp.argmax(logits, axis=-1), V, dtype=jnp.float32)
+  if draft_probs is None:  # greedy, or a deterministic (n-gram) draft: a point mass
+    draft = jax.nn.one_hot(jnp.clip(draft_token_ids, 0, V - 1), V, dtype=jnp.float32)
+  else:
+    draft = draft_probs.astype(jnp.float32)
+  # Greedy verification with one-hot targets is deterministic: any key gives the result.
+  keys = jax.random.split(jax.random.key(0) if key is None else key, dp)
+
+  def block(key, ids, counts, q, p, bonus):
+    index = ragged_index(counts, num_tokens=t, max_draft_len=K)
+    if t == 0:  # no draft rows: gather from one dummy row, masked below
+      q, p, ids = jnp.zeros((1, V)), jnp.zeros((1, V)), jnp.zeros((1,), jnp.int32)
+    rows, mask = index.rows, index.in_draft
+    # No bonus row is sampled from: when a request accepts all its drafts, the stack's
+    # bonus token is emitted instead (below), so a uniform placeholder row stands in for
+    # it and whatever the sampler draws past a request's drafts is dropped by `to_flat`.
+    p_rows = jnp.concatenate([jnp.where(mask[..., None], p[rows], 0.0),
+                              jnp.full((counts.shape[0], 1, V), 1.0 / V)], axis=1)
+    out = rejection_sample(key, draft_probs=jnp.where(mask[..., None], q[rows], 0.0),
+                           draft_tokens=jnp.where(mask, ids[rows], 0),
+                           target_probs=p_rows, num_verified=index.counts)
+    # out.tokens holds the accepted drafts, then the recovered token, then -1.
+    main = to_flat(out.tokens[:, :K], index, num_tokens=t, fill=PLACEHOLDER_TOKEN_ID)
+    bonus = jnp.where(out.num_accepted == index.counts, bonus.astype(jnp.int32),
+                      PLACEHOLDER_TOKEN_ID)
+    return (jnp.concatenate([main, bonus]), out.num_accepted,
+            to_flat(out.accepted, index, num_tokens=t, fill=False),
+            to_flat(out.labeled, index, num_tokens=t, fill=False))
+
+  split = lambda x, n: x.reshape((dp, n) + x.shape[1:])
+  output, num_accepted, accepted, labeled = jax.vmap(block)(
+      keys, split(draft_token_ids.astype(jnp.int32), t), split(num_draft_tokens, b),
+      split(draft, t), split(target, t), split(bonus_token_ids, b))
+  return TpuRejectionOutput(output_token_ids=output.reshape(-1),
+                            num_accepted=num_accepted.reshape(-1),
+                            accepted=accepted.reshape(-1), labeled=labeled.reshape(-1))
+
+
+class RejectionSampler:
+  """Drop-in for tpu-inference's `RejectionSampler(mesh)`, sampling with AV's sampler.
+
+  Args:
+    mesh: the `jax.sharding.Mesh` (or None); its data-parallel axes (`DATA_AXES`) set
+      the block layout of the output, as in tpu-inference.
+    max_draft_len: static upper bound K of `num_draft_tokens` (the speculative config's
+      number of speculative tokens). The sampler works on a dense `[B, K, V]` view, so
+      pass it in serving; default T per data-parallel block (always enough).
+
+  Example:
+    >>> sampler = RejectionSampler(mesh)
+    >>> sampler(draft_token_ids=jnp.array([1, 2, 3, 4]), num_draft_tokens=jnp.array([2, 2]),
+    ...         draft_probs=None, target_logits=logits, bonus_token_ids=jnp.array([5, 6]),
+    ...         sampling_metadata=greedy_metadata)   # [1, 2, 3, 7, 5, -1]
+  """
+
+  def __init__(self, mesh, *, max_draft_len: int | None = None):
+    self.mesh = mesh
+    self.max_draft_len = max_draft_len
+
+  def __call__(self, draft_token_ids, num_draft_tokens, draft_probs, target_logits,
+               bonus_token_ids, sampling_metadata, key=None) -> jax.Array:
+    """tpu-inference's call: returns `output_token_ids [T + B]` (see the module)."""
+    return self.sample_with_labels(
+        draft_token_ids=draft_token_ids, num_draft_tokens=num_draft_tokens,
+        draft_probs=draft_probs, target_logits=target_logits,
+        bonus_token_ids=bonus_token_ids, sampling_metadata=sampling_metadata,
+        key=key).output_token_ids
+
+  forward = __call__
+
+  def sample_with_labels(self, draft_token_ids, num_draft_tokens, draft_probs,
+                         target_logits, bonus_token_ids, sampling_metadata: Any,
+                         key=None) -> TpuRejectionOutput:
+    """As `__call__`, also returning AV's per-draft labels (`[T]`, flat order).
+
+    Raises:
+      ValueError: naming the argument, on wrong shapes or dtypes, a missing key when
+        sampling, shapes not divisible by the data-parallel size, and eagerly on counts
+        that do not fit a block or exceed `max_draft_len`, and on out-of-range draft ids
+        in verified positions.
+    """
+    draft_token_ids = jnp.asarray(draft_token_ids)
+    num_draft_tokens = jnp.asarray(num_draft_tokens)
+    target_logits = jnp.asarray(target_logits)
+    bonus_token_ids = jnp.asarray(bonus_token_ids)
+    _checks.rank("target_logits", target_logits, 2, "TV")
+    T, V = target_logits.shape
+    _checks.shape("draft_token_ids", draft_token_ids, (T,), "T")
+    _checks.integer("draft_token_ids", draft_token_ids)
+    _checks.rank("num_draft_tokens", num_draft_tokens, 1, "B")
+    _checks.integer("num_draft_tokens", num_draft_tokens)
+    B = num_draft_tokens.shape[0]
+    _checks.shape("bonus_token_ids", bonus_token_ids, (B,), "B")
+    _checks.integer("bonus_token_ids", bonus_token_ids)
+    do_sampling = sampling_metadata.do_sampling
+    if not isinstance(do_sampling, (bool, np.bool_)):
+      raise ValueError(f"sampling_metadata.do_sampling: expected a Python bool (static), "
+                       f"got {type(do_sampling).__name__}")
+    do_sampling = bool(do_sampling)
+    if do_sampling and draft_probs is not None:
+      draft_probs = jnp.asarray(draft_probs)
+      _checks.shape("draft_probs", draft_probs, (T, V), "TV")
+    if not do_sampling:
+      draft_probs = None
+    options = []
+    for name, dtype in (("temperature", jnp.float32), ("top_k", jnp.int32),
+                        ("top_p", jnp.float32)):
+      value = getattr(sampling_metadata, name, None) if do_sampling else None
+      if do_sampling:
+        if value is None:
+          raise ValueError(f"sampling_metadata.{name}: expected a [B={B}] array when "
+                           "do_sampling is True, got None")
+        value = jnp.asarray(value)
+        _checks.shape(f"sampling_metadata.{name}", value, (B,), "B")
+        value = value.astype(dtype)
+      else:
+        value = jnp.zeros((B,), dtype)
+      options.append(value)
+    if do_sampling and key is None:
+      raise ValueError("key: a random key must be provided for non-greedy sampling")
+    dp = _data_parallel_size(self.mesh)
+    if T % dp or B % dp:
+      raise ValueError(f"target_logits / num_draft_tokens: T={T} and B={B} must be "
+                       f"divisible by the mesh's data-parallel size {dp}")
+    t = T // dp
+    K = max(t, 1) if self.max_draft_len is None else int(self.max_draft_len)
+    if K < 1:
+      raise ValueError(f"max_draft_len: expected >= 1, got {self.max_draft_len}")
+    for r in range(dp):
+      check_counts(num_draft_tokens[r * (B // dp):(r + 1) * (B // dp)], num_tokens=t,
+                   max_draft_len=K)
+    return _forward(draft_token_ids, num_draft_tokens, draft_probs, target_logits,
+                    bonus_token_ids, *options, key, do_sampling=do_sampling, dp=dp,
+                    max_draft_len=K)
+
+
+def labels_from_output(
+    output_token_ids: jax.typing.ArrayLike,
+    num_draft_tokens: jax.typing.ArrayLike,
+    *,
+    max_draft_len: int,
+    dp_size: int = 1,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """AV's labels from a `[T + B]` output alone (`num_rejected_tokens`-style).
+
+  Request b emitted `n_b` main tokens (its non-placeholder main rows); if its bonus slot
+  is set it accepted all `num_draft_tokens[b]` drafts, else `n_b - 1` (the last main
+  token is the recovered one) and rejected the next. A draft id that ended verification
+  without being a draw (out of range; see `av_jax.rejection`) reads as a rejection here:
+  `RejectionSampler.sample_with_labels` gives the exact labels.
+
+  Returns:
+    `(accepted [B, K], labeled [B, K], num_rejected_tokens [B])`; `num_rejected_tokens`
+    is `num_draft_tokens - num_accepted`, as the stacks count it.
+  """
+  output_token_ids = jnp.asarray(output_token_ids)
+  num_draft_tokens = jnp.asarray(num_draft_tokens)
+  _checks.rank("output_token_ids", output_token_ids, 1, "T+B")
+  _checks.rank("num_draft_tokens", num_draft_tokens, 1, "B")
+  B = num_draft_tokens.shape[0]
+  T = output_token_ids.shape[0] - B
+  if T < 0 or T % dp_size or B % dp_size:
+    raise ValueError(f"output_token_ids: expected [T + B] with T, B divisible by "
+                     f"dp_size={dp_size}, got shape {output_token_ids.shape} for B={B}")
+  return _labels_from_output(output_token_ids, num_draft_tokens, max_draft_len=int(max_draft_len),
+                             dp_size=int(dp_size))
+
+
+@functools.partial(jax.jit, static_argnames=("max_draft_len", "dp_size"))
+def _labels_from_output(output_token_ids, num_draft_tokens, *, max_draft_len, dp_size):
+  B = num_draft_tokens.shape[0]
+  T = output_token_ids.shape[0] - B
+  t, b, K = T // dp_size, B // dp_size, max_draft_len
+  blocks = output_token_ids.reshape(dp_size, t + b)
+
+  def block(out, counts):
+    index = ragged_index(counts, num_tokens=t, max_draft_len=K)
+    main = out[:t][index.rows] if t else jnp.full(index.rows.shape, -1, jnp.int32)
+    emitted = jnp.sum(index.in_draft & (main != PLACEHOLDER_TOKEN_ID), axis=-1)
+    bonus = out[t:] != PLACEHOLDER_TOKEN_ID
+    num_accepted = jnp.where(bonus, index.counts, jnp.maximum(emitted - 1, 0))
+    pos = jnp.arange(K)[None, :]
+    accepted = pos < num_accepted[:, None]
+    labeled = accepted | ((pos == num_accepted[:, None]) & ~bonus[:, None]
+                          & (num_accepted < index.counts)[:, None])
+    return accepted, labeled, index.counts - num_accepted
+
+  accepted, labeled, rejected = jax.vmap(block)(blocks, num_draft_tokens.reshape(dp_size, b))
+  return accepted.reshape(B, K), labeled.reshape(B, K), rejected.reshape(B)

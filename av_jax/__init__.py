@@ -3,6 +3,7 @@
 The public API, one name per line (see README.md and docs/).
 """
 
+from av_jax import costs
 from av_jax import metrics
 from av_jax.arms import ARMS
 from av_jax.arms import Arm
@@ -69,6 +70,7 @@ __all__ = (
     "Sampling",
     "allocate",
     "choose_budget",
+    "costs",
     "decision_step",
     "exact_policy",
     "get_feature",

@@ -58,6 +58,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from av_jax.models.config import load_config
 from av_jax.selection import CostModel, make_cost_model
 
 DTYPE_BYTES = {"float32": 4.0, "bfloat16": 2.0, "float16": 2.0, "float8": 1.0, "int8": 1.0}
@@ -406,6 +407,8 @@ class ModelShape:
   input_proj_dim: int = 0  # features projected to D before the layers (EAGLE fc: 2 D or 3 D)
   context_attention: bool = True  # attends to a KV cache of the context (False: a block
                                   # drafter that sees only the last target hidden state)
+  head_rank: int = 0       # 0: a V x D output head; R > 0: a factored head D -> R -> V
+                           # (av_jax's drafters with `head_rank`, R (D + V) weights)
   source: str = ""         # where the shape comes from
 
   def __post_init__(self):
@@ -450,7 +453,9 @@ class ModelShape:
 
   @property
   def head_params(self) -> int:
-    """V x D output head."""
+    """V x D output head, or R (D + V) for a factored one."""
+    if self.head_rank:
+      return self.head_rank * (self.d_model + self.vocab_size)
     return self.vocab_size * self.d_model
 
   @property
@@ -482,7 +487,6 @@ def shipped_shapes(config) -> dict[str, ModelShape]:
   target's head; the block drafters are `block.num_layers` bidirectional layers over the
   K_max + 1 slots of `fc([h; e])`, with no context attention, sharing the target's head.
   """
-  from av_jax.models.config import load_config  # pylint: disable=g-import-not-at-top
   cfg = load_config(config) if isinstance(config, str) else config
   name = cfg.name
   src = f"configs/models/{name}.toml" if isinstance(config, str) else f"model set {name!r}"
@@ -492,11 +496,13 @@ def shipped_shapes(config) -> dict[str, ModelShape]:
                 input_proj_dim=2 * d)
   eagle = ModelShape(name=f"{name}-eagle", num_layers=1, mlp_dim=cfg.eagle.mlp_dim,
                      num_heads=cfg.eagle.num_heads, num_kv_heads=cfg.eagle.num_heads,
-                     head_dim=cfg.eagle.head_dim, source=f"{src} [eagle]", **common)
+                     head_dim=cfg.eagle.head_dim, head_rank=cfg.eagle.head_rank,
+                     source=f"{src} [eagle]", **common)
   block = ModelShape(name=f"{name}-block", num_layers=cfg.block.num_layers,
                      mlp_dim=cfg.block.mlp_dim, num_heads=cfg.block.num_heads,
                      num_kv_heads=cfg.block.num_heads, head_dim=cfg.block.head_dim,
-                     context_attention=False, source=f"{src} [block]", **common)
+                     head_rank=cfg.block.head_rank, context_attention=False,
+                     source=f"{src} [block]", **common)
   return {name: target,
           f"{name}-draft_lm": shape_from_config(f"{name}-draft_lm", cfg.draft_lm,
                                                 source=f"{src} [draft_lm]"),

@@ -16,6 +16,7 @@ import time
 import jax
 import numpy as np
 
+from av_jax._flags import at_least, model_set, temperature, top_p
 from av_jax import engine as E
 from av_jax import models as M
 from av_jax.engine import demo
@@ -23,19 +24,30 @@ from av_jax.engine import profile as prof
 from av_jax.studies import run as studies
 
 
+def check_lengths(parser: argparse.ArgumentParser, args) -> None:
+  """Cross-flag checks: the cache must hold a prompt token, K drafts and the bonus."""
+  k, max_len = getattr(args, "k", None), getattr(args, "max_len", None)
+  if k is not None and max_len is not None and max_len < k + 3:
+    parser.error(f"argument --max-len: expected >= --k + 3 = {k + 3} (a prompt token, "
+                 f"K = {k} drafts, the bonus token and one new token), got {max_len}")
+
+
 def _engine_args(p: argparse.ArgumentParser) -> None:
-  p.add_argument("--models", default="default", help="shipped model set name")
+  p.add_argument("--models", default="default", type=model_set,
+                 help="shipped model set name")
   p.add_argument("--drafter", default="eagle", choices=("draft_lm", "eagle", "block",
                                                         "block_head"))
   p.add_argument("--mode", default="av",
                  choices=("target_only", "fixed", "av", "av_head", "oracle"))
-  p.add_argument("--slots", type=int, default=8, help="B, concurrent request slots")
-  p.add_argument("--k", type=int, default=8, help="K, maximum draft length")
-  p.add_argument("--max-len", type=int, default=512, help="cache positions per slot")
-  p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
-  p.add_argument("--top-p", type=float, default=0.95)
+  p.add_argument("--slots", type=at_least(1), default=8, help="B, concurrent request slots")
+  p.add_argument("--k", type=at_least(1), default=8, help="K, maximum draft length")
+  p.add_argument("--max-len", type=at_least(4), default=512,
+                 help="cache positions per slot (prompt + output + K + 1)")
+  p.add_argument("--temperature", type=temperature, default=1.0, help="0 = greedy")
+  p.add_argument("--top-p", type=top_p, default=0.95, help="nucleus mass in (0, 1]")
   p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--steps-per-chunk", type=int, default=8)
+  p.add_argument("--steps-per-chunk", type=at_least(1), default=8,
+                 help="decode steps between host syncs (streaming granularity)")
   p.add_argument("--no-profile", action="store_true",
                  help="skip start-up cost profiling (synthetic cost model)")
 
@@ -116,7 +128,7 @@ def main(argv=None) -> None:
   g = sub.add_parser("generate", help="generate text, streaming, with per-step statistics")
   _engine_args(g)
   g.add_argument("--prompt", required=True)
-  g.add_argument("--max-new", type=int, default=128)
+  g.add_argument("--max-new", type=at_least(1), default=128)
   g.add_argument("--stats", action="store_true", help="print per-chunk statistics")
   g.set_defaults(func=cmd_generate)
   p = sub.add_parser("profile", help="measure and print the cost tables")
@@ -130,6 +142,7 @@ def main(argv=None) -> None:
   studies.add_args(b)
   b.set_defaults(func=cmd_bench)
   args = parser.parse_args(argv)
+  check_lengths({"generate": g, "profile": p}.get(args.command, parser), args)
   args.func(args)
 
 

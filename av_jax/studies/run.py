@@ -173,8 +173,10 @@ def study_overhead(s: Settings, pair, throughput_rows, log) -> dict:
   per_step_ms = drafted * decision_ms + (1 - drafted) * small_ms
   amortized = per_step_ms / step_ms if step_ms else None
   log(f"  decision B={B} K={K} V={V}: {decision_ms:.2f} ms ({small_ms:.2f} ms without the "
-      f"feature pass); AV decode step {step_ms} ms, drafting {drafted:.0%} of steps; "
-      f"amortized share {amortized}")
+      f"feature pass); AV decode step "
+      f"{'n/a (no throughput run)' if step_ms is None else f'{step_ms:.1f} ms'}, drafting "
+      f"{drafted:.0%} of steps; amortized share "
+      f"{'n/a' if amortized is None else f'{100 * amortized:.2f}%'}")
   return dict(batch=B, k=K, vocab=V, decision_ms=decision_ms, decision_ms_all=times,
               decision_ms_no_features=small_ms, av_step_ms=step_ms, share=share,
               drafted_share=drafted, per_step_ms=per_step_ms, amortized_share=amortized,

@@ -132,9 +132,9 @@ def make_planner(
   Input checks of `plan`: `cost` must be a `CostModel` (ValueError otherwise); a
   `cost.verify_ms` shorter than `B (K + 1) + 1` entries warns at trace time (budgets
   needing more tokens are never chosen); concrete `probs` outside [0, 1] raise a
-  ValueError. Under `jax.jit` the values of `probs` are unknown: survivals are clipped to
-  [0, 1] and NaN ranks as 0 (never verified), so a probability above 1 counts as certain
-  acceptance.
+  ValueError. Under `jax.jit` the values of `probs` are unknown: they are clipped to
+  [0, 1] (a probability above 1 counts as certain acceptance of that position) and NaN
+  ranks as 0 (never verified, nor anything after it).
 
   Example:
     >>> planner = make_planner(policy=exact_policy(drafter_kind="parallel", greedy=False))

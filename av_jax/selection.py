@@ -117,8 +117,9 @@ def check_probabilities(name: str, x: jax.typing.ArrayLike) -> None:
   """Raises a `ValueError` naming `x` if a concrete `x` holds a value outside [0, 1].
 
   NaN is allowed (ranked as 0: never verified). Under `jax.jit` the values are not known
-  and nothing is checked; the planner then clips survivals to [0, 1] and reads NaN as 0,
-  so a probability above 1 counts as certain acceptance and a negative one as rejection.
+  and nothing is checked: `survival` clips probabilities to [0, 1] (above 1 counts as
+  certain acceptance of that position only, below 0 as rejection), survivals given
+  directly are clipped to [0, 1], and NaN ranks as 0.
   """
   if isinstance(x, jax.core.Tracer):
     return
@@ -163,7 +164,9 @@ def survival(probs: jax.typing.ArrayLike) -> jax.Array:
   check_probabilities("probs", probs)
   probs = jnp.asarray(probs, jnp.float32)
   _checks.rank_at_least("probs", probs, 1)
-  return jnp.cumprod(probs, axis=-1)
+  # Traced values escape the check: clipped here, so one probability above 1 cannot lift
+  # the survivals of the positions after it (NaN stays NaN and ranks as 0).
+  return jnp.cumprod(jnp.clip(probs, 0.0, 1.0), axis=-1)
 
 
 def _ranked_survival(survival: jax.Array, active: jax.Array | None) -> jax.Array:

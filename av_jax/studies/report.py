@@ -381,7 +381,7 @@ def _finish(out_dir: str, results: dict, s) -> None:
   except ImportError as e:
     plots = {}
     print(f"plots skipped: {e}. The results are in {out_dir}/studies.json; install "
-          f"matplotlib (`pip install 'av_jax[bench]'`) and run `av-jax bench --render-only "
+          f"matplotlib (`pip install 'av_jax[studies]'`) and run `av-jax bench --render-only "
           f"--out {out_dir}` to draw them.", flush=True)
   with open(os.path.join(out_dir, "studies.md"), "w") as f:
     f.write(_markdown(results, s, plots))

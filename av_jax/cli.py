@@ -16,6 +16,7 @@ import time
 import jax
 import numpy as np
 
+from av_jax._flags import at_least, model_set, temperature, top_p
 from av_jax import engine as E
 from av_jax import models as M
 from av_jax.engine import demo
@@ -23,24 +24,43 @@ from av_jax.engine import profile as prof
 from av_jax.studies import run as studies
 
 
+def check_lengths(parser: argparse.ArgumentParser, args) -> None:
+  """Cross-flag checks: the cache must hold a prompt token, K drafts and the bonus."""
+  k, max_len = getattr(args, "k", None), getattr(args, "max_len", None)
+  if k is not None and max_len is not None and max_len < k + 3:
+    parser.error(f"argument --max-len: expected >= --k + 3 = {k + 3} (a prompt token, "
+                 f"K = {k} drafts, the bonus token and one new token), got {max_len}")
+
+
 def _engine_args(p: argparse.ArgumentParser) -> None:
-  p.add_argument("--models", default="default", help="shipped model set name")
+  p.add_argument("--models", default="default", type=model_set,
+                 help="shipped model set name")
   p.add_argument("--drafter", default="eagle", choices=("draft_lm", "eagle", "block",
                                                         "block_head"))
   p.add_argument("--mode", default="av",
                  choices=("target_only", "fixed", "av", "av_head", "oracle"))
-  p.add_argument("--slots", type=int, default=8, help="B, concurrent request slots")
-  p.add_argument("--k", type=int, default=8, help="K, maximum draft length")
-  p.add_argument("--max-len", type=int, default=512, help="cache positions per slot")
-  p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
-  p.add_argument("--top-p", type=float, default=0.95)
+  p.add_argument("--slots", type=at_least(1), default=8, help="B, concurrent request slots")
+  p.add_argument("--k", type=at_least(1), default=8, help="K, maximum draft length")
+  p.add_argument("--max-len", type=at_least(4), default=512,
+                 help="cache positions per slot (prompt + output + K + 1)")
+  p.add_argument("--temperature", type=temperature, default=1.0, help="0 = greedy")
+  p.add_argument("--top-p", type=top_p, default=0.95, help="nucleus mass in (0, 1]")
   p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--steps-per-chunk", type=int, default=8)
+  p.add_argument("--steps-per-chunk", type=at_least(1), default=8,
+                 help="decode steps between host syncs (streaming granularity)")
   p.add_argument("--no-profile", action="store_true",
                  help="skip start-up cost profiling (synthetic cost model)")
 
 
-def _build(args, mode: str | None = None):
+def _status(message: str) -> None:
+  """One status line per phase, on stderr (the text stream stays on stdout)."""
+  sys.stderr.write(f"[av-jax] {message}\n")
+  sys.stderr.flush()
+
+
+def _build(args, mode: str | None = None, *, status=lambda message: None):
+  start = time.perf_counter()
+  status(f"loading model set {args.models!r} with the {args.drafter} drafter ...")
   pair = M.load(args.models, drafter=args.drafter)
   config = E.EngineConfig(num_slots=args.slots, max_draft=args.k, max_len=args.max_len,
                           mode=mode or args.mode, temperature=args.temperature,
@@ -48,22 +68,53 @@ def _build(args, mode: str | None = None):
                           steps_per_chunk=args.steps_per_chunk)
   engine = E.make_engine(config, pair.cfg, pair.drafter)
   params = E.Params(target=pair.target_params, drafter=pair.drafter_params)
+  status(f"loaded in {time.perf_counter() - start:.1f} s")
   cost = None
   if not getattr(args, "no_profile", False):
-    cost, _ = prof.profile_costs(engine, params)
+    start = time.perf_counter()
+    status(f"profiling step costs (B = {args.slots}, K = {args.k}, max_len = "
+           f"{args.max_len}) ...")
+    cost, profile = prof.profile_costs(engine, params)
+    status(f"{prof.describe_source(profile)}; {time.perf_counter() - start:.1f} s")
   return pair, engine, params, cost
 
 
+STATS_HELP = """\
+print per-chunk statistics on stderr, each line after the text has reached a line end
+(or at the end): budget = draft tokens the planner chose to verify per step, summed over
+the active requests (at most active requests x K; a step that did not draft counts 0);
+verified = draft tokens actually fed to the target per step (the budget's allocation plus
+exploration); emitted/step = tokens produced per decode step (1 = no draft accepted);
+tokens/s = the chunk's emitted tokens over its wall time (compilation excluded: it runs in
+a warm-up before the timed generation)"""
+
+
 def cmd_generate(args) -> None:
-  pair, engine, params, cost = _build(args)
+  pair, engine, params, cost = _build(args, status=_status)
   tok = pair.tokenizer
   prompt = tok.encode(args.prompt)
+  K = engine.config.max_draft
+  key = jax.random.PRNGKey(args.seed)
+  start = time.perf_counter()
+  _status("compiling the decode step (a short warm-up run) ...")
+  E.generate(engine, params, [prompt], max_new_tokens=min(2, args.max_new), key=key,
+             cost=cost)
+  compile_s = time.perf_counter() - start
+  _status(f"compiled in {compile_s:.1f} s; generating")
   out = sys.stdout
   out.write(args.prompt)
   out.flush()
+  at_line_start = [args.prompt == "" or args.prompt.endswith("\n")]
+  pending: list[str] = []  # stats lines waiting for the text to reach a line end
   shown = [0]
   start = time.perf_counter()
-  last = [start, 0]
+  last = [start]
+
+  def flush_stats():
+    if pending:
+      sys.stderr.write("".join(pending))
+      sys.stderr.flush()
+      pending.clear()
 
   def on_chunk(state, info):
     length, plen = int(state.length[0]), int(state.prompt_len[0])
@@ -72,26 +123,36 @@ def cmd_generate(args) -> None:
     shown[0] += len(new)
     out.write(text)
     out.flush()
+    if text:
+      at_line_start[0] = text.endswith("\n")
     if args.stats:
       now = time.perf_counter()
       emitted = int(np.sum(info.emitted))
-      sys.stderr.write(
-          f"\n[chunk] budget={np.mean(info.budget):.1f} verified={np.mean(info.verified):.1f} "
+      # What the allocation could use: the budget is at most R x K for R active requests.
+      budget = np.minimum(np.asarray(info.budget), np.asarray(info.active) * K)
+      budget = np.where(np.asarray(info.drafting), budget, 0)
+      pending.append(
+          f"[chunk] budget={np.mean(budget):.1f} verified={np.mean(info.verified):.1f} "
           f"emitted/step={np.mean(info.emitted):.2f} "
           f"tokens/s={emitted / max(now - last[0], 1e-9):.1f}\n")
       last[0] = now
+      if at_line_start[0]:
+        flush_stats()
 
-  result = E.generate(engine, params, [prompt], max_new_tokens=args.max_new,
-                      key=jax.random.PRNGKey(args.seed), cost=cost, on_chunk=on_chunk)
+  result = E.generate(engine, params, [prompt], max_new_tokens=args.max_new, key=key,
+                      cost=cost, on_chunk=on_chunk)
   c = result.completions[0]
   if c.finish_reason == "error":
     raise SystemExit(c.error)
   elapsed = time.perf_counter() - start
+  out.write("\n")
+  out.flush()
+  flush_stats()
   s = result.stats
-  print(f"\n--- {len(c.tokens)} tokens in {elapsed:.2f} s ({len(c.tokens) / elapsed:.1f} tok/s), "
-        f"{s['steps']} steps, {s['emitted'] / max(s['steps'], 1):.2f} tokens/step, "
-        f"verified {s['verified']} of {s['draft_tokens']} drafts, finish={c.finish_reason}",
-        file=sys.stderr)
+  print(f"--- {len(c.tokens)} tokens in {elapsed:.2f} s ({len(c.tokens) / elapsed:.1f} tok/s, "
+        f"compilation excluded; {compile_s:.1f} s compiling before), {s['steps']} steps, "
+        f"{s['emitted'] / max(s['steps'], 1):.2f} tokens/step, verified {s['verified']} of "
+        f"{s['draft_tokens']} drafts, finish={c.finish_reason}", file=sys.stderr)
 
 
 def cmd_profile(args) -> None:
@@ -113,11 +174,13 @@ def main(argv=None) -> None:
   parser = argparse.ArgumentParser(prog="av-jax", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   sub = parser.add_subparsers(dest="command", required=True)
-  g = sub.add_parser("generate", help="generate text, streaming, with per-step statistics")
+  g = sub.add_parser("generate", help="generate text, streaming, with per-step statistics",
+                     description="Streams the continuation of --prompt to stdout; status "
+                     "lines (loading, profiling, compiling) and --stats go to stderr.")
   _engine_args(g)
   g.add_argument("--prompt", required=True)
-  g.add_argument("--max-new", type=int, default=128)
-  g.add_argument("--stats", action="store_true", help="print per-chunk statistics")
+  g.add_argument("--max-new", type=at_least(1), default=128)
+  g.add_argument("--stats", action="store_true", help=STATS_HELP)
   g.set_defaults(func=cmd_generate)
   p = sub.add_parser("profile", help="measure and print the cost tables")
   _engine_args(p)
@@ -130,6 +193,7 @@ def main(argv=None) -> None:
   studies.add_args(b)
   b.set_defaults(func=cmd_bench)
   args = parser.parse_args(argv)
+  check_lengths({"generate": g, "profile": p}.get(args.command, parser), args)
   args.func(args)
 
 

@@ -254,7 +254,14 @@ def make_decision(
 
   The state is donated (its buffers are reused for the new state, which has the same
   shapes); the logits are not, since nothing in the output can reuse a `[B, K, V]`
-  buffer. The cost tables are a traced argument (a re-profiled table needs no
+  buffer. A donated state is consumed: always continue from the state a step returned.
+  Passing the old one again fails with (on CPU and GPU)
+
+      ValueError: INVALID_ARGUMENT: Invalid buffer passed to Execute() as argument 0 to
+      replica 0: INVALID_ARGUMENT: Buffer has been deleted or donated.
+
+  and reading one of its leaves raises `RuntimeError: Array has been deleted with
+  shape=...`. Build with `donate=False` to keep old states alive (one copy per step). The cost tables are a traced argument (a re-profiled table needs no
   recompile). Each trace increments a counter read by `num_traces()`: after the first
   step of a `(B, K, V)` shape it must stay constant.
 

@@ -1,9 +1,12 @@
-"""Main job (until the engine lands): AV against fixed K on a synthetic draft stream.
+"""Synthetic demo: AV against fixed K on a synthetic draft stream, no models involved.
 
-Run with `make demo` or `python -m av_jax.demo`. Prints a table of modelled throughput
-(tokens per unit of step cost) for target-only decoding, fixed verification of all K
-draft tokens, Adaptive Verification with the online estimator, and a hindsight oracle,
-at several concurrencies, plus the estimator's calibration after warm-up.
+Run with `python -m av_jax.demo` (the main job on the shipped models is `make demo` /
+`av-jax demo`, in `av_jax.engine.demo`). Prints a table of modelled throughput (tokens
+per unit of step cost) for target-only decoding, fixed verification of all K draft
+tokens, Adaptive Verification with the online estimator, and a hindsight oracle, at
+several concurrencies, plus the estimator's calibration after warm-up. It compiles one
+program per mode and concurrency: about a minute on a quiet 2-core CPU (68.8 s measured
+for issue 12; 48 s of CPU time, 255 s of wall time at load average 15).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import jax
 import numpy as np
 
 from av_jax import simulate
+from av_jax._flags import at_least
 from av_jax.selection import make_cost_model
 
 DEMO_ARMS = ("target_only", "fixed", "av", "oracle")  # arms of av_jax.arms.ARMS shown
@@ -34,12 +38,18 @@ def compute_bound_cost(num_slots: int, num_positions: int) -> "simulate.CostMode
 
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__)
-  parser.add_argument("--steps", type=int, default=300, help="decode steps per run")
-  parser.add_argument("--warmup", type=int, default=60, help="steps excluded from figures")
-  parser.add_argument("--slots", type=int, nargs="+", default=[4, 16, 64], help="concurrency")
-  parser.add_argument("--positions", type=int, default=8, help="K, maximum draft length")
+  parser.add_argument("--steps", type=at_least(1), default=300, help="decode steps per run")
+  parser.add_argument("--warmup", type=at_least(0), default=60,
+                      help="steps excluded from figures")
+  parser.add_argument("--slots", type=at_least(1), nargs="+", default=[4, 16, 64],
+                      help="concurrency")
+  parser.add_argument("--positions", type=at_least(1), default=8,
+                      help="K, maximum draft length")
   parser.add_argument("--seed", type=int, default=0)
   args = parser.parse_args(argv)
+  if args.warmup >= args.steps:
+    parser.error(f"argument --warmup: expected fewer than --steps = {args.steps}, got "
+                 f"{args.warmup}")
 
   start = time.time()
   print(f"av_jax demo: synthetic parallel drafter, K={args.positions}, {args.steps} steps, "

@@ -36,6 +36,7 @@ from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from av_jax import _checks
 from av_jax.features import FEATURE_CLIP
@@ -174,13 +175,16 @@ def online_estimator(
     >>> probs = est.predict(state, features)          # [B, 4]
     >>> state = est.update(state, features, accepted, labeled)
   """
-  if num_positions < 1:
-    raise ValueError(f"num_positions: expected K >= 1, got {num_positions}")
+  if (isinstance(num_positions, bool)
+      or not isinstance(num_positions, (int, np.integer)) or num_positions < 1):
+    raise ValueError(f"num_positions: expected an int K >= 1, got {num_positions!r}")
+  if config is not None and not isinstance(config, EstimatorConfig):
+    raise ValueError(f"config: expected an EstimatorConfig or None, got {config!r}")
   config = dataclasses.replace(config or EstimatorConfig(), **overrides)
   refit_interval, damping, l2 = config.refit_interval, config.damping, config.l2
   init_slope, init_intercept = config.init_slope, config.init_intercept
   max_abs_coef, max_step = config.max_abs_coef, config.max_step
-  K = num_positions
+  K = int(num_positions)
 
   def init() -> EstimatorState:
     # Every field gets its own buffer, so a fresh state can be donated to a jitted step.

@@ -32,7 +32,8 @@ import jax
 import jax.numpy as jnp
 
 from av_jax import _checks
-from av_jax.selection import CostModel, allocate, budget_and_allocation, survival
+from av_jax.selection import (CostModel, allocate, budget_and_allocation, check_probabilities,
+                              survival)
 
 POLICIES = ("current", "lagged", "fixed", "none")
 DRAFTER_KINDS = ("autoregressive", "parallel")
@@ -128,6 +129,13 @@ def make_planner(
     cost, *, active=None, drafting=True) -> (Plan, state)` and `should_draft(state) ->
     [] bool`.
 
+  Input checks of `plan`: `cost` must be a `CostModel` (ValueError otherwise); a
+  `cost.verify_ms` shorter than `B (K + 1) + 1` entries warns at trace time (budgets
+  needing more tokens are never chosen); concrete `probs` outside [0, 1] raise a
+  ValueError. Under `jax.jit` the values of `probs` are unknown: they are clipped to
+  [0, 1] (a probability above 1 counts as certain acceptance of that position) and NaN
+  ranks as 0 (never verified, nor anything after it).
+
   Example:
     >>> planner = make_planner(policy=exact_policy(drafter_kind="parallel", greedy=False))
     >>> plan, pstate = planner.plan(pstate, est.predict(estate, features), cost,
@@ -167,6 +175,10 @@ def make_planner(
   def plan(state: PlannerState, probs: jax.typing.ArrayLike, cost: CostModel, *,
            active: jax.typing.ArrayLike | None = None,
            drafting: jax.typing.ArrayLike = True) -> tuple[Plan, PlannerState]:
+    if not isinstance(cost, CostModel):
+      raise ValueError(f"cost: expected a CostModel (av_jax.make_cost_model), the third "
+                       f"argument of plan, got {type(cost).__name__}")
+    check_probabilities("probs", probs)
     probs = jnp.asarray(probs, jnp.float32)
     _checks.rank("probs", probs, 2, "BK")
     B, K = probs.shape

@@ -113,18 +113,60 @@ def linear_cost_model(max_requests: int, max_tokens: int, *, draft_fixed: float 
   return make_cost_model(draft_fixed + draft_per_request * r, verify_fixed + verify_per_token * t)
 
 
+def check_probabilities(name: str, x: jax.typing.ArrayLike) -> None:
+  """Raises a `ValueError` naming `x` if a concrete `x` holds a value outside [0, 1].
+
+  NaN is allowed (ranked as 0: never verified). Under `jax.jit` the values are not known
+  and nothing is checked: `survival` clips probabilities to [0, 1] (above 1 counts as
+  certain acceptance of that position only, below 0 as rejection), survivals given
+  directly are clipped to [0, 1], and NaN ranks as 0.
+  """
+  if isinstance(x, jax.core.Tracer):
+    return
+  values = np.asarray(x, dtype=np.float64)
+  bad = (values < 0) | (values > 1)  # NaN compares False
+  if bad.any():
+    first = tuple(int(i) for i in np.argwhere(bad)[0])
+    raise ValueError(f"{name}: expected probabilities in [0, 1], got {values[first]:g} at "
+                     f"index {first} ({int(bad.sum())} entries outside [0, 1])")
+
+
+def check_cost_table(cost, num_slots: int, num_positions: int) -> None:
+  """Checks that `cost` is a `CostModel` whose `verify_ms` covers `B (K + 1)` tokens.
+
+  Table lengths are static, so this runs at trace time. A `verify_ms` with fewer than
+  `B (K + 1) + 1` entries is allowed but warned about (by name): token counts beyond it
+  are never chosen, so the budget is silently capped (at 0 for a table of length R + 1).
+  """
+  if not isinstance(cost, CostModel):
+    raise ValueError(f"cost: expected a CostModel (av_jax.make_cost_model), got "
+                     f"{type(cost).__name__} {cost!r:.80}")
+  need = num_slots * (num_positions + 1) + 1
+  have = int(np.shape(cost.verify_ms)[0])
+  if have < need:
+    warnings.warn(
+        f"cost.verify_ms: {have} entries, fewer than B * (K + 1) + 1 = {need} for B = "
+        f"{num_slots}, K = {num_positions}; budgets that verify more than {have - 1} "
+        f"tokens in all are never chosen. Profile (or build) the table up to "
+        f"{need - 1} tokens.", stacklevel=3)
+
+
 def survival(probs: jax.typing.ArrayLike) -> jax.Array:
   """`S[b, i] = prod_{j <= i} probs[b, j]`: probability that positions 1..i are accepted.
 
   Args:
-    probs: `[..., K]` per-token acceptance probabilities.
+    probs: `[..., K]` per-token acceptance probabilities in [0, 1] (checked when
+      concrete; see `check_probabilities` for what happens under jit).
 
   Returns:
     `[..., K]` float32 cumulative products along the last axis.
   """
+  check_probabilities("probs", probs)
   probs = jnp.asarray(probs, jnp.float32)
   _checks.rank_at_least("probs", probs, 1)
-  return jnp.cumprod(probs, axis=-1)
+  # Traced values escape the check: clipped here, so one probability above 1 cannot lift
+  # the survivals of the positions after it (NaN stays NaN and ranks as 0).
+  return jnp.cumprod(jnp.clip(probs, 0.0, 1.0), axis=-1)
 
 
 def _ranked_survival(survival: jax.Array, active: jax.Array | None) -> jax.Array:
@@ -139,6 +181,7 @@ def _ranked_survival(survival: jax.Array, active: jax.Array | None) -> jax.Array
 
 
 def _check_survival(survival, active):
+  check_probabilities("survival", survival)
   survival = jnp.asarray(survival, jnp.float32)
   _checks.rank("survival", survival, 2, "BK")
   if active is not None:
@@ -207,6 +250,7 @@ def choose_budget(survival: jax.typing.ArrayLike, cost: CostModel, *,
   """
   survival, active = _check_survival(survival, active)
   B, K = survival.shape
+  check_cost_table(cost, B, K)
   ranking = _rank(_ranked_survival(survival, active))
   return _budget(ranking, cost, _num_active(active, B), K)
 
@@ -254,6 +298,7 @@ def budget_and_allocation(survival: jax.typing.ArrayLike, cost: CostModel, *,
   """
   survival, active = _check_survival(survival, active)
   B, K = survival.shape
+  check_cost_table(cost, B, K)
   ranking = _rank(_ranked_survival(survival, active))
   optimal = _budget(ranking, cost, _num_active(active, B), K)
   used = optimal if budget is None else jnp.asarray(budget, jnp.int32)

@@ -16,24 +16,26 @@ import jax
 import numpy as np
 
 from av_jax import data
+from av_jax._flags import at_least, model_set, temperature, top_p
 from av_jax import engine as E
 from av_jax import models as M
 from av_jax.engine import profile as prof
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-  p.add_argument("--models", default="default", help="shipped model set name")
+  p.add_argument("--models", default="default", type=model_set,
+                 help="shipped model set name")
   p.add_argument("--drafter", default="block", choices=("draft_lm", "eagle", "block",
                                                         "block_head"))
   p.add_argument("--workload", default="code", choices=("code", "prose", "math", "noisy"))
-  p.add_argument("--slots", type=int, default=16, help="B, concurrent request slots")
-  p.add_argument("--k", type=int, default=8, help="K, maximum draft length")
-  p.add_argument("--requests", type=int, default=32, help="requests decoded per mode")
-  p.add_argument("--prompt-len", type=int, default=32, help="prompt tokens")
-  p.add_argument("--max-new", type=int, default=64, help="tokens generated per request")
-  p.add_argument("--temperature", type=float, default=1.0)
-  p.add_argument("--top-p", type=float, default=0.95)
-  p.add_argument("--repeats", type=int, default=1, help="timed runs per mode")
+  p.add_argument("--slots", type=at_least(1), default=16, help="B, concurrent request slots")
+  p.add_argument("--k", type=at_least(1), default=8, help="K, maximum draft length")
+  p.add_argument("--requests", type=at_least(1), default=32, help="requests decoded per mode")
+  p.add_argument("--prompt-len", type=at_least(1), default=32, help="prompt tokens")
+  p.add_argument("--max-new", type=at_least(1), default=64, help="tokens generated per request")
+  p.add_argument("--temperature", type=temperature, default=1.0, help="0 = greedy")
+  p.add_argument("--top-p", type=top_p, default=0.95, help="nucleus mass in (0, 1]")
+  p.add_argument("--repeats", type=at_least(1), default=1, help="timed runs per mode")
   p.add_argument("--seed", type=int, default=0)
 
 

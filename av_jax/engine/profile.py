@@ -13,6 +13,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import time
 
 import jax
 import jax.numpy as jnp
@@ -103,7 +104,10 @@ def profile_costs(engine: core.Engine, params: core.Params, *, repeats: int = 5,
     refresh: re-measure even when cached.
 
   Returns:
-    `(cost_model, profile)`; `profile["cached"]` says whether it came from disk.
+    `(cost_model, profile)`; `profile["cached"]` says whether it came from disk,
+    `profile["age_s"]` (cached only) how long ago it was measured and `profile["path"]`
+    where it is kept. A profile measured under load stays cached until `refresh=True`
+    (`av-jax profile --refresh`): `describe_source` says which one is in use.
   """
   cfg = engine.config
   cache_dir = default_cache_dir() if cache_dir is None else cache_dir
@@ -114,24 +118,46 @@ def profile_costs(engine: core.Engine, params: core.Params, *, repeats: int = 5,
       with open(path) as f:
         profile = json.load(f)
       profile["cached"] = True
-    except (OSError, ValueError):
+      # Older cache entries carry no time stamp: the file's modification time is when
+      # it was written.
+      measured_at = profile.get("measured_at", os.path.getmtime(path))
+      profile["age_s"] = max(time.time() - float(measured_at), 0.0)
+    except (OSError, ValueError, TypeError):
       profile = None  # a corrupt cache entry is re-measured
   if profile is None:
     profile = measure(engine, params, repeats=repeats)
+    profile["measured_at"] = time.time()
     if path:
       os.makedirs(cache_dir, exist_ok=True)
       with open(path, "w") as f:
         json.dump(profile, f, indent=1)
     profile["cached"] = False
+  profile["path"] = path
   cost = cost_model_from_profile(profile, num_slots=cfg.num_slots,
                                  max_tokens=cfg.num_slots * (cfg.max_draft + 1))
   return cost, profile
 
 
+def _age(seconds: float) -> str:
+  for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
+    if seconds >= size:
+      return f"{seconds / size:.1f} {unit}"
+  return f"{seconds:.0f} s"
+
+
+def describe_source(profile: dict) -> str:
+  """One line: whether the profile was measured now or read from the cache, and its age."""
+  if profile.get("cached"):
+    return (f"cost profile: cached, measured {_age(profile.get('age_s', 0.0))} ago "
+            f"({profile.get('path') or 'cache'}; --refresh re-measures)")
+  return "cost profile: measured now" + (f", cached in {profile['path']}"
+                                         if profile.get("path") else "")
+
+
 def format_profile(profile: dict) -> str:
-  """A printable table of a profile."""
-  lines = [f"device: {profile['device_kind']}  (median of {profile['repeats']} runs"
-           f"{', cached' if profile.get('cached') else ''})",
+  """A printable table of a profile, after a line saying where it came from."""
+  lines = [describe_source(profile),
+           f"device: {profile['device_kind']}  (median of {profile['repeats']} runs)",
            f"draft (all slots, K tokens): {profile['draft_ms']:.3f} ms",
            f"{'bucket T':>9} {'verify ms':>10} {'ms/token':>9}"]
   for size, ms in zip(profile["buckets"], profile["bucket_ms"]):

@@ -238,6 +238,31 @@ def cost_structure(results: dict, s) -> dict | None:
               av_tokens_per_s=float(tok_s("av", s.k)))
 
 
+TIE = 0.01  # AUC gaps within this are called ties in the report's prose
+
+
+def versus_head(gaps: list[float]) -> str:
+  """How the served estimator compares with the head from position 2 on, worded from the
+  AUC gaps (estimator minus head) themselves."""
+  if not gaps:
+    return "was not compared with it"
+  listed = ", ".join(f"{g:+.3f}" for g in gaps)
+  ahead = [i + 2 for i, g in enumerate(gaps) if g > TIE]
+  tied = [i + 2 for i, g in enumerate(gaps) if abs(g) <= TIE]
+  behind = [i + 2 for i, g in enumerate(gaps) if g < -TIE]
+  where = lambda positions: ("every position" if len(positions) == len(gaps) else
+                             "position" + ("s " if len(positions) > 1 else " ")
+                             + ", ".join(map(str, positions)))
+  parts = []
+  if ahead:
+    parts.append(f"beats it at {where(ahead)}")
+  if tied:
+    parts.append(f"ties it (within {TIE}) at {where(tied)}")
+  if behind:
+    parts.append(f"trails it at {where(behind)}")
+  return " and ".join(parts) + f" (AUC gaps {listed} from position 2 on)"
+
+
 def why(results: dict, s) -> list[str]:
   """Why each missed goal was missed, with the measured numbers behind it."""
   out = []
@@ -258,16 +283,15 @@ def why(results: dict, s) -> list[str]:
         "(the soak in BENCHMARKS.md runs 10,000 steps) give the estimator time to settle.")
   if lab and missed("Estimator AUC"):
     cmp = lab.get("estimator_vs_head", {})
-    gaps = ""
+    gaps = []
     if cmp:
-      gaps = ", ".join(f"{a - b:+.3f}" for a, b in zip(cmp[SERVED]["auc_at"][1:],
-                                                        cmp[HEAD]["auc_at"][1:]))
+      gaps = [a - b for a, b in zip(cmp[SERVED]["auc_at"][1:], cmp[HEAD]["auc_at"][1:])]
     out.append(
         "**AUC against the trained head.** Our head (block_head) was trained on these "
         "workloads with this drafter and target, and reads the drafter's hidden state, "
         "which carries context the draft distribution's top probability does not. The "
-        f"online estimator as served ties or beats it at some positions ({gaps} from "
-        "position 2 on) and trails at others; one offline fit pooled over workloads does "
+        f"online estimator as served {versus_head(gaps)}; one offline fit pooled over "
+        "workloads does "
         "worse, since the served estimator tracks each stream's own intercepts. The note's "
         "estimator won from position 2 on against a head trained elsewhere; ours is "
         "in-domain.")
@@ -349,9 +373,16 @@ def _finish(out_dir: str, results: dict, s) -> None:
   results["cost_structure"] = cost_structure(results, s)
   results["goals"] = goals(results, s)
   results["why"] = why(results, s)
-  plots = _plots(out_dir, results, s)
+  # The results first: a plotting failure (matplotlib missing) must not lose a long run.
   with open(os.path.join(out_dir, "studies.json"), "w") as f:
     json.dump(results, f, indent=1, default=_json_default)
+  try:
+    plots = _plots(out_dir, results, s)
+  except ImportError as e:
+    plots = {}
+    print(f"plots skipped: {e}. The results are in {out_dir}/studies.json; install "
+          f"matplotlib (`pip install 'av_jax[studies]'`) and run `av-jax bench --render-only "
+          f"--out {out_dir}` to draw them.", flush=True)
   with open(os.path.join(out_dir, "studies.md"), "w") as f:
     f.write(_markdown(results, s, plots))
 
@@ -388,7 +419,13 @@ def _plots(out_dir: str, results: dict, s) -> dict[str, str]:
     cmp = lab["estimator_vs_head"]
     fig, ax = plt.subplots(figsize=(5.5, 3.6))
     for name, c in cmp.items():
-      ax.plot(np.arange(1, s.k + 1), c["auc_at"], marker="o", label=name)
+      style = dict(marker="o")
+      if name == "q_max, no fit":
+        # The shipped fit is a monotone function of q_max at each position, so both rank
+        # the drafts alike and their AUCs are equal: drawn dashed over the shipped line.
+        style = dict(marker="x", ls="--", lw=1.0, ms=7)
+        name += " (same AUC as the shipped fit: same ranking)"
+      ax.plot(np.arange(1, s.k + 1), c["auc_at"], label=name, **style)
     ax.set(xlabel="draft position", ylabel="AUC", title="AUC per position (block_head)")
     ax.legend(fontsize=7)
     save(fig, "auc_per_position.png")
@@ -416,12 +453,14 @@ def _plots(out_dir: str, results: dict, s) -> dict[str, str]:
     d = lab["drift"]
     fig, ax = plt.subplots(figsize=(6, 3.4))
     rounds = [r["round"] for r in d["rounds"]]
-    ax.plot(rounds, [r["ece"] for r in d["rounds"]], marker="o")
-    for r0, r1 in zip(d["rounds"], d["rounds"][1:]):
-      if r1["segment"] != r0["segment"]:
-        ax.axvline(r1["round"] - 0.5, color="red", lw=0.8)
+    ax.plot(rounds, [r["ece"] for r in d["rounds"]], marker="o", label="round ECE")
+    switches = [r1["round"] - 0.5 for r0, r1 in zip(d["rounds"], d["rounds"][1:])
+                if r1["segment"] != r0["segment"]]
+    for i, x in enumerate(switches):
+      ax.axvline(x, color="red", lw=0.8, label="workload switch" if i == 0 else None)
     ax.set(xlabel="refit round", ylabel="ECE of served predictions",
            title="Drift: " + " -> ".join(d["workloads"]))
+    ax.legend(fontsize=7)
     save(fig, "drift_ece.png")
   tp = results.get("throughput")
   if tp:
@@ -456,6 +495,9 @@ def _plots(out_dir: str, results: dict, s) -> dict[str, str]:
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.set(xscale="log", xlabel="concurrency", ylabel=f"AV tokens/s / fixed K={s.k}",
            title="AV on vs off (side-by-side ratios; bars = spread over repeats)")
+    concurrencies = sorted({r["concurrency"] for r in tp["ratios"]})
+    ax.set_xticks(concurrencies, [str(c) for c in concurrencies])  # one labelled tick each
+    ax.minorticks_off()
     if keys:
       ax.legend(fontsize=6, ncol=2)
     save(fig, "av_ratio.png")

@@ -28,6 +28,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from av_jax import _machine
+from av_jax._flags import at_least
 from av_jax import data
 from av_jax import engine as E
 from av_jax import models as M
@@ -172,8 +173,10 @@ def study_overhead(s: Settings, pair, throughput_rows, log) -> dict:
   per_step_ms = drafted * decision_ms + (1 - drafted) * small_ms
   amortized = per_step_ms / step_ms if step_ms else None
   log(f"  decision B={B} K={K} V={V}: {decision_ms:.2f} ms ({small_ms:.2f} ms without the "
-      f"feature pass); AV decode step {step_ms} ms, drafting {drafted:.0%} of steps; "
-      f"amortized share {amortized}")
+      f"feature pass); AV decode step "
+      f"{'n/a (no throughput run)' if step_ms is None else f'{step_ms:.1f} ms'}, drafting "
+      f"{drafted:.0%} of steps; amortized share "
+      f"{'n/a' if amortized is None else f'{100 * amortized:.2f}%'}")
   return dict(batch=B, k=K, vocab=V, decision_ms=decision_ms, decision_ms_all=times,
               decision_ms_no_features=small_ms, av_step_ms=step_ms, share=share,
               drafted_share=drafted, per_step_ms=per_step_ms, amortized_share=amortized,
@@ -197,11 +200,23 @@ def add_args(p: argparse.ArgumentParser) -> None:
                  help="comma-separated drafters for the AV on/off sweep (overrides)")
   p.add_argument("--pareto-ks", default=None,
                  help="comma-separated fixed K of the Pareto sweep, 0 = target only")
-  p.add_argument("--repeats", type=int, default=None, help="timed repeats per arm")
+  p.add_argument("--repeats", type=at_least(1), default=None, help="timed repeats per arm")
   p.add_argument("--render-only", action="store_true",
                  help="rewrite studies.md and the plots from an existing studies.json")
-  p.add_argument("--skip", default="", help="comma-separated studies to skip: "
-                 "labels,throughput,per_workload,overhead")
+  p.add_argument("--skip", default="", type=_skip_list,
+                 help=f"comma-separated studies to skip: {','.join(SKIPPABLE)}")
+
+
+SKIPPABLE = ("labels", "throughput", "per_workload", "overhead")  # names --skip accepts
+
+
+def _skip_list(text: str) -> str:
+  """An argparse type for --skip: every name must be a known study."""
+  unknown = sorted({x for x in text.split(",") if x} - set(SKIPPABLE))
+  if unknown:
+    raise argparse.ArgumentTypeError(f"unknown studies {unknown}; known: "
+                                     f"{', '.join(SKIPPABLE)}")
+  return text
 
 
 def run(args) -> int:

@@ -26,6 +26,10 @@ from av_jax.selection import CostModel
 def measure(engine: core.Engine, params: core.Params, *, repeats: int = 5) -> dict:
   """Times every verify bucket and the drafter; returns a JSON-able profile.
 
+  Both go through the engine's protocols, so a target and drafter of the user's own
+  (`make_engine(config, target=..., drafter=...)`) are timed like av_jax's: the target's
+  `Target.verify` per bucket, the drafter's `Drafter.draft` on an empty state.
+
   A bucket's verify program is what the engine's verify branch runs
   (`core.verify_forward`): with G = `verify_groups` groups, G packed forwards of T_g =
   T / G tokens each (batched) and the target's sampling distribution on the packed rows.

@@ -42,9 +42,12 @@ class WindowLM(nnx.Module):
     self.out = nnx.Linear(width, vocab, rngs=rngs)
 
   def __call__(self, windows: jax.Array) -> jax.Array:  # [..., W] int -> [..., V] logits
+    return self.logit_scale * self.out(self.features(windows))
+
+  def features(self, windows: jax.Array) -> jax.Array:  # [..., W] int -> [..., D] hidden
     x = self.embed(windows)
     x = x.reshape(*windows.shape[:-1], -1)
-    return self.logit_scale * self.out(jax.nn.gelu(self.hidden(x)))
+    return jax.nn.gelu(self.hidden(x))
 
 
 class Config(NamedTuple):

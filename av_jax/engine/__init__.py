@@ -13,6 +13,9 @@ from av_jax.engine.core import make_engine
 from av_jax.engine.core import prefill
 from av_jax.engine.core import run_chunk
 from av_jax.engine.core import step
+from av_jax.engine.protocols import Target
+from av_jax.engine.protocols import TargetOutput
+from av_jax.engine.protocols import transformer_target
 from av_jax.engine.batching import Completion
 from av_jax.engine.batching import GenerateResult
 from av_jax.engine.batching import generate
@@ -27,6 +30,8 @@ __all__ = (
     "GenerateResult",
     "Params",
     "StepInfo",
+    "Target",
+    "TargetOutput",
     "default_cost",
     "generate",
     "init_state",
@@ -34,4 +39,5 @@ __all__ = (
     "prefill",
     "run_chunk",
     "step",
+    "transformer_target",
 )

@@ -154,7 +154,7 @@ def generate(engine: core.Engine, params: core.Params, prompts: Sequence[Sequenc
     raise ValueError(f"max_new_tokens: expected {len(prompts)} limits, got "
                      f"{len(max_new_tokens)}")
   max_prompt = cfg.max_len - cfg.max_draft - 2
-  vocab = engine.models.target.vocab_size
+  vocab = engine.target.vocab_size
   completions: list[Completion | None] = [None] * len(prompts)
   waiting = []
   for i, prompt in enumerate(prompts):

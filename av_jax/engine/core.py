@@ -28,9 +28,10 @@ import numpy as np
 
 from av_jax.arms import ARMS, Arm, get_arm, policy_for
 from av_jax.decision import Decider, DecisionState, make_decider
+from av_jax.engine import protocols
+from av_jax.engine.protocols import Target
 from av_jax.estimator import EstimatorConfig, EstimatorState
 from av_jax.features import FEATURES, logit_qmax
-from av_jax.models import transformer
 from av_jax.models.config import ModelsConfig
 from av_jax.models.drafters import Drafter, DrafterState, insert_slot, keep_inactive
 from av_jax.models.sampling import sample_tokens, sampling_probs
@@ -187,7 +188,8 @@ class EngineStats(NamedTuple):
 
 class DecodeState(NamedTuple):
   """Everything that changes between decode steps (a pytree)."""
-  target_cache: transformer.KVCache  # [L, B, M, H, Dh] target keys / values
+  target_cache: Any                  # target cache pytree (`Target.init_cache`; av_jax's:
+                                     # KVCache [L, B, M, H, Dh])
   drafter: DrafterState              # drafter caches and pending tokens
   tokens: jax.Array                  # [B, M] int32 sequence buffer (prompt + output)
   length: jax.Array                  # [B] int32 tokens in the buffer
@@ -232,7 +234,8 @@ class Params(NamedTuple):
 class Engine(NamedTuple):
   """A configured engine: static config and model functions (hashable, jit-static)."""
   config: EngineConfig
-  models: ModelsConfig
+  models: ModelsConfig | None  # av_jax's model set, None for a target of the user's own
+  target: Target     # what the engine calls on the target (`av_jax.engine.protocols`)
   drafter: Drafter
   policy: str        # the exact budget policy for this drafter and temperature
   arm: Arm           # what the engine drafts, scores and plans (`config.mode`)
@@ -252,18 +255,37 @@ for _name, (_group, _field) in _FLAT.items():
   setattr(EngineConfig, _name, _flat_property(_group, _field))
 
 
-def make_engine(config: EngineConfig, models: ModelsConfig, drafter: Drafter) -> Engine:
-  """Binds an engine config to a model set and a drafter; picks the exact policy.
+def make_engine(config: EngineConfig, models: ModelsConfig | None = None,
+                drafter: Drafter | None = None, *, target: Target | None = None) -> Engine:
+  """Binds an engine config to a target and a drafter; picks the exact policy.
+
+  Either av_jax's model set (`make_engine(config, models, drafter)`) or a target of the
+  user's own (`make_engine(config, target=target, drafter=drafter)`, see
+  `av_jax.engine.protocols` and docs/integration.md).
 
   Args:
     config: static settings.
-    models: the model set's config (target architecture).
-    drafter: the drafter's functions and kind (`av_jax.models.make_drafter`).
+    models: av_jax's model set config; its transformer becomes the target
+      (`protocols.transformer_target`).
+    drafter: the drafter's functions and kind (`av_jax.models.make_drafter`, or the
+      user's own `Drafter`).
+    target: a `protocols.Target`, instead of `models`.
 
   Raises:
-    ValueError: `av_head` with a drafter that has no confidence head, or a lossy policy
-      requested explicitly for a drafter where it is not exact.
+    ValueError: neither or both of `models` and `target`, no drafter, `av_head` with a
+      drafter that has no confidence head, or a lossy policy requested explicitly for a
+      drafter where it is not exact.
+
+  Example:
+    >>> engine = make_engine(EngineConfig(num_slots=4), target=my_target, drafter=my_drafter)
   """
+  if (models is None) == (target is None):
+    raise ValueError("make_engine: expected exactly one of `models` (av_jax's model set) "
+                     "and `target` (a protocols.Target)")
+  if drafter is None:
+    raise ValueError("make_engine: expected a drafter")
+  if target is None:
+    target = protocols.transformer_target(models)
   arm = get_arm(config.mode)
   if arm.head and drafter.kind != "block_head":
     raise ValueError(f"mode: 'av_head' needs a drafter with a confidence head, got "
@@ -279,8 +301,8 @@ def make_engine(config: EngineConfig, models: ModelsConfig, drafter: Drafter) ->
       head=arm.head, estimator=config.estimator,
       planner=dataclasses.replace(config.planner,
                                   skip_unprofitable_drafts=gated and arm.adaptive))
-  return Engine(config=config, models=models, drafter=drafter, policy=policy, arm=arm,
-                decider=decider)
+  return Engine(config=config, models=models, target=target, drafter=drafter, policy=policy,
+                arm=arm, decider=decider)
 
 
 def default_cost(cfg: EngineConfig) -> CostModel:
@@ -309,18 +331,18 @@ def init_state(engine: Engine, params: Params, key: jax.Array,
     cost: measured step costs (`av_jax.engine.profile`); `default_cost` when None. Kept
       in the state as data, so a re-profiled table needs no recompile.
   """
-  cfg, models = engine.config, engine.models
+  cfg = engine.config
   B, K, M = cfg.num_slots, cfg.max_draft, cfg.max_len
   cost = default_cost(cfg) if cost is None else cost
   decision = engine.decider.init()
   one = jnp.zeros((B, 1), jnp.int32)
-  hidden = jnp.zeros((B, 1, models.target.d_model), jnp.float32)
+  hidden = jnp.zeros((B, 1, engine.target.hidden_size), jnp.float32)
   drafter = engine.drafter.init_state(
       params.drafter, params.target, prompt=one, prompt_hidden=hidden,
       next_token=jnp.zeros((B,), jnp.int32), K=K, max_len=M,
       prompt_lens=jnp.ones((B,), jnp.int32))
   return DecodeState(
-      target_cache=transformer.init_cache(models.target, B, M),
+      target_cache=engine.target.init_cache(B, M),
       drafter=drafter,
       tokens=jnp.zeros((B, M), jnp.int32),
       length=jnp.ones((B,), jnp.int32),
@@ -351,26 +373,23 @@ def prefill(engine: Engine, params: Params, state: DecodeState, *, prompt: jax.A
     The state with the slot active (inactive again at once if max_new <= 1 or the first
     token is EOS).
   """
-  cfg, models = engine.config, engine.models
+  cfg, target = engine.config, engine.target
   P = prompt.shape[0]
-  positions = jnp.arange(P)[None]
-  valid = positions < prompt_len
-  cache = transformer.init_cache(models.target, 1, cfg.max_len)
-  out = transformer.forward(params.target, prompt[None], positions, cache, cfg=models.target,
-                            valid=valid)
+  valid = jnp.arange(P)[None] < prompt_len
+  logits, hidden, cache = protocols.prefill_with_verify(
+      target, params.target, target.init_cache(1, cfg.max_len), tokens=prompt, valid=valid[0])
   key, k_first = jax.random.split(state.key)
-  last_logits = out.logits[0, prompt_len - 1]
+  last_logits = logits[prompt_len - 1]
   first = sample_tokens(k_first, last_logits, temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p)
   dstate = engine.drafter.init_state(
-      params.drafter, params.target, prompt=prompt[None], prompt_hidden=out.hidden,
+      params.drafter, params.target, prompt=prompt[None], prompt_hidden=hidden[None],
       next_token=first[None], K=cfg.max_draft, max_len=cfg.max_len,
       prompt_lens=prompt_len[None])
   row = jnp.zeros((cfg.max_len,), jnp.int32).at[:P].set(jnp.where(valid[0], prompt, 0))
   row = row.at[prompt_len].set(first)
   done = (max_new <= 1) | (first == cfg.eos_id)
   return state._replace(
-      target_cache=transformer.KVCache(*(_set_row(b, s, slot, 1) for b, s in
-                                         zip(state.target_cache, out.cache))),
+      target_cache=protocols.insert_slot(target, state.target_cache, cache, slot),
       drafter=insert_slot(state.drafter, dstate, slot),
       tokens=state.tokens.at[slot].set(row),
       length=state.length.at[slot].set(prompt_len + 1),
@@ -380,53 +399,52 @@ def prefill(engine: Engine, params: Params, state: DecodeState, *, prompt: jax.A
       key=key)
 
 
-def _set_row(batched: jax.Array, single: jax.Array, slot: jax.Array, axis: int) -> jax.Array:
-  start = [0] * batched.ndim
-  start[axis] = slot
-  return jax.lax.dynamic_update_slice(batched, single.astype(batched.dtype), start)
+def group_cache(engine: Engine, cache: Any) -> Any:
+  """B -> (G, B/G) at the target cache's slot axis (av_jax's: `[L, B, M, H, Dh]` ->
+  `[L, G, B/G, M, H, Dh]`): contiguous slot groups, a free reshape; with slots sharded in
+  blocks over 'data', the group axis takes the slot sharding."""
+  return protocols.group_cache(engine.target, cache, engine.config.groups)
 
 
-def group_cache(cache: transformer.KVCache, groups: int) -> transformer.KVCache:
-  """`[L, B, M, H, Dh]` -> `[L, G, B/G, M, H, Dh]`: contiguous slot groups (a free reshape;
-  with slots sharded in blocks over 'data', the group axis takes the slot sharding)."""
-  return transformer.KVCache(*(x.reshape(x.shape[:1] + (groups, -1) + x.shape[2:])
-                               for x in cache))
-
-
-def verify_forward(engine: Engine, target_params, cache: transformer.KVCache, *,
+def verify_forward(engine: Engine, target_params, cache: Any, *,
                    tokens: jax.Array, slot: jax.Array, positions: jax.Array,
                    valid: jax.Array):
   """The verify program of one bucket: each group's packed forward and sampling probs.
 
+  Each group runs `engine.target.verify` (`av_jax.engine.protocols.Target`) on its T_g
+  packed tokens.
+
   Args:
-    engine: the engine (temperature, top-p, target config).
+    engine: the engine (temperature, top-p, target).
     target_params: target parameters.
-    cache: target `KVCache` grouped as `[L, G, B/G, M, H, Dh]` (`group_cache`).
+    cache: target cache grouped at its slot axis (`group_cache`; av_jax's:
+      `[L, G, B/G, M, H, Dh]`).
     tokens: `[G, T_g]` int32 packed tokens of each group.
     slot: `[G, T_g]` int32 slot of each token within its group (0 .. B/G - 1).
     positions: `[G, T_g]` int32 position of each token.
     valid: `[G, T_g]` bool, False for padding.
 
   Returns:
-    `(probs [G, T_g, V], hidden [G, T_g, D], cache [L, G, B/G, M, H, Dh])`: the target's
-    sampling distribution (temperature, top-p) and final hidden state of every packed
-    token, and the cache with the valid tokens' keys and values written.
+    `(probs [G, T_g, V], hidden [G, T_g, D], cache)`: the target's sampling distribution
+    (temperature, top-p) and `hidden` of every packed token, and the grouped cache with
+    the valid tokens written.
   """
-  cfg = engine.config
+  cfg, target = engine.config, engine.target
+  a = target.slot_axis  # of B; the group axis G takes its place in the grouped cache
 
   def one(cache, tokens, slot, positions, valid):
-    out = transformer.forward_packed(target_params, tokens, slot=slot, positions=positions,
-                                     valid=valid, cache=cache, cfg=engine.models.target)
-    probs = sampling_probs(out.logits, temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p)
-    return probs, out.hidden, out.cache
+    logits, hidden, cache = target.verify(target_params, cache, tokens=tokens, slot=slot,
+                                          positions=positions, valid=valid)
+    probs = sampling_probs(logits, temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p)
+    return probs, hidden, cache
 
   if tokens.shape[0] == 1:  # one group: the plain packed program, no batch axis
     squeeze = lambda x: x[0]
-    probs, hidden, new = one(transformer.KVCache(*(x[:, 0] for x in cache)),
+    first = lambda x: jax.lax.index_in_dim(x, 0, a, keepdims=False)
+    probs, hidden, new = one(jax.tree.map(first, cache),
                              *map(squeeze, (tokens, slot, positions, valid)))
-    return probs[None], hidden[None], transformer.KVCache(*(x[:, None] for x in new))
-  cache_axes = transformer.KVCache(1, 1)
-  return jax.vmap(one, in_axes=(cache_axes, 0, 0, 0, 0), out_axes=(0, 0, cache_axes))(
+    return probs[None], hidden[None], jax.tree.map(lambda x: jnp.expand_dims(x, a), new)
+  return jax.vmap(one, in_axes=(a, 0, 0, 0, 0), out_axes=(0, 0, a))(
       cache, tokens, slot, positions, valid)
 
 
@@ -475,9 +493,8 @@ def _verify_packed(engine: Engine, target_params, cache, *, tokens, positions, v
     return run
 
   probs, hidden, cache = jax.lax.switch(bucket, [branch(s) for s in sizes],
-                                        group_cache(cache, G))
-  cache = transformer.KVCache(*(x.reshape(x.shape[:1] + (B,) + x.shape[3:]) for x in cache))
-  return probs, hidden, cache, bucket
+                                        group_cache(engine, cache))
+  return probs, hidden, protocols.ungroup_cache(engine.target, cache), bucket
 
 
 class Drafts(NamedTuple):
@@ -493,7 +510,7 @@ class Drafts(NamedTuple):
 
 def _no_draft(engine: Engine, state: DecodeState) -> Drafts:
   cfg = engine.config
-  B, K, V = cfg.num_slots, cfg.max_draft, engine.models.target.vocab_size
+  B, K, V = cfg.num_slots, cfg.max_draft, engine.target.vocab_size
   F = len(RECORDED_FEATURES) if cfg.record_features else 0
   return Drafts(tokens=jnp.zeros((B, K), jnp.int32), probs=jnp.zeros((B, K, V), jnp.float32),
                   features=jnp.zeros((B, K), jnp.float32), conf=jnp.zeros((B, K), jnp.float32),
@@ -553,10 +570,10 @@ def _target_step(engine: Engine, target_params, cache, key, *, base, position, a
   B, K, G = cfg.num_slots, cfg.max_draft, cfg.groups
   grouped = lambda x: x.reshape(G, B // G)
   probs, hidden, cache = verify_forward(
-      engine, target_params, group_cache(cache, G), tokens=grouped(base),
+      engine, target_params, group_cache(engine, cache), tokens=grouped(base),
       slot=grouped(jnp.tile(jnp.arange(B // G, dtype=jnp.int32), G)),
       positions=grouped(position), valid=grouped(active))
-  cache = transformer.KVCache(*(x.reshape(x.shape[:1] + (B,) + x.shape[3:]) for x in cache))
+  cache = protocols.ungroup_cache(engine.target, cache)
   # probs is the sampling distribution (one-hot when greedy): a categorical draw from its
   # log is the target's token either way.
   token = jax.random.categorical(key, jnp.log(probs.reshape(B, -1)), axis=-1).astype(jnp.int32)
@@ -574,7 +591,7 @@ class _Verdict(NamedTuple):
   """What verification decided: the rejection sampler's result and the target's pass."""
   result: RejectionResult          # emitted tokens, accepted / labelled drafts
   target_hidden: jax.Array         # [B, K+1, D] target hidden states of the fed tokens
-  target_cache: transformer.KVCache  # the target cache with the fed tokens written
+  target_cache: Any                # the target cache with the fed tokens written
   bucket: jax.Array                # [] int32, index of the packed bucket that ran
 
 

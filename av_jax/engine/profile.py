@@ -27,6 +27,10 @@ from av_jax.selection import CostModel
 def measure(engine: core.Engine, params: core.Params, *, repeats: int = 5) -> dict:
   """Times every verify bucket and the drafter; returns a JSON-able profile.
 
+  Both go through the engine's protocols, so a target and drafter of the user's own
+  (`make_engine(config, target=..., drafter=...)`) are timed like av_jax's: the target's
+  `Target.verify` per bucket, the drafter's `Drafter.draft` on an empty state.
+
   A bucket's verify program is what the engine's verify branch runs
   (`core.verify_forward`): with G = `verify_groups` groups, G packed forwards of T_g =
   T / G tokens each (batched) and the target's sampling distribution on the packed rows.
@@ -36,7 +40,7 @@ def measure(engine: core.Engine, params: core.Params, *, repeats: int = 5) -> di
   cfg = engine.config
   B, K, M, G = cfg.num_slots, cfg.max_draft, cfg.max_len, cfg.groups
   state = core.init_state(engine, params, jax.random.key(0, impl="rbg"))
-  cache = core.group_cache(state.target_cache, G)
+  cache = core.group_cache(engine, state.target_cache)
 
   def verify(target_params, cache, tokens, slot, positions, valid):
     return core.verify_forward(engine, target_params, cache, tokens=tokens, slot=slot,
@@ -82,7 +86,9 @@ PROFILE_VERSION = 2
 def cache_key(engine: core.Engine) -> str:
   cfg = dataclasses.asdict(engine.config)
   cfg.pop("steps_per_chunk")
-  blob = json.dumps([PROFILE_VERSION, jax.devices()[0].device_kind, cfg, dataclasses.asdict(engine.models),
+  # av_jax's model set by its config; a target of the user's own by its name.
+  models = (engine.target.name if engine.models is None else dataclasses.asdict(engine.models))
+  blob = json.dumps([PROFILE_VERSION, jax.devices()[0].device_kind, cfg, models,
                      engine.drafter.kind], sort_keys=True, default=str)
   return hashlib.sha256(blob.encode()).hexdigest()[:16]
 

@@ -21,6 +21,29 @@ Protocol (all functions pure; `K` static, `temperature` / `top_p` may be traced 
   state = drafter.commit(out.state, emitted_tokens=[B,K+1], num_emitted=[B],
                          target_hidden=[B,K+1,D])
 
+What the arguments are (for a drafter of the user's own, served with
+`make_engine(config, target=..., drafter=...)`; `examples/own_model_engine.py`):
+
+- `params`: `Params.drafter`, any pytree; `target_params`: `Params.target`, any pytree (av_jax's
+  EAGLE and block drafters read the target's tied embedding from it; others ignore it).
+- `prompt_hidden [B, P, D]` and `target_hidden [B, K+1, D]`: the `hidden` the target
+  returns for those tokens (`av_jax.engine.protocols.Target`; D = `Target.hidden_size`).
+  For av_jax's transformer it is the final hidden state after the final norm; for a user's
+  target it is whatever its `verify` / `prefill` return as `hidden`. The engine never reads
+  it.
+- The state must be a `DrafterState`: the engine inserts a prefilled slot
+  (`insert_slot`) and keeps inactive slots (`keep_inactive`) field by field. Its `cache` is
+  the drafter's own: None, a `KVCache` (slots on axis 1), or any array with slots on axis 0
+  (e.g. a token history `[B, M]`); `commit` below is shared by every kind and fits any.
+- `draft` returns a `DraftOutput`; `log_probs` (what the tokens were drawn from, with
+  temperature and top-p) is optional but saves a second top-p pass. With temperature <= 0
+  the tokens must be the arg-max of `logits`.
+- `Drafter.kind` names the drafter (profile and checkpoint caches key on it; only
+  "block_head" enables the `av_head` arm); `Drafter.drafting` is "autoregressive" or
+  "parallel" and decides the exact budget policy. A "parallel" drafter may be skipped on
+  steps where drafting does not pay, so it must keep no cache that a skipped step would
+  leave behind.
+
 Sequence bookkeeping. The committed sequence of slot b ends with token x_n at position n
 (the last emitted token, not yet seen by the target). The state holds the committed tokens
 the drafter has not consumed yet ("pending", at most K+1, the last of which is x_n), each
@@ -112,7 +135,7 @@ class DraftOutput(NamedTuple):
 
 class Drafter(NamedTuple):
   """A drafter kind: metadata and its three pure functions (see module docstring)."""
-  kind: str              # one of KINDS
+  kind: str              # one of KINDS, or the name of a user's own drafter
   drafting: str          # "autoregressive" or "parallel" (`DRAFTING[kind]`)
   init_state: Callable   # (params, target_params, *, prompt, prompt_hidden, next_token, K,
                          #  max_len, prompt_lens=None) -> DrafterState

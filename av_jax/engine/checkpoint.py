@@ -35,7 +35,10 @@ def engine_identity(engine: core.Engine) -> dict:
   # groups, tests/test_verify_groups.py): a run saved on a mesh resumes on one device.
   cfg.pop("verify_groups", None)
   cfg.pop("record_features", None)  # what StepInfo records, not the state
-  models = json.dumps(dataclasses.asdict(engine.models), sort_keys=True, default=str)
+  # av_jax's own models by their config; a user's own target (`engine.models` None) by its
+  # protocol name (`av_jax.engine.Target.name`).
+  models = (json.dumps(dataclasses.asdict(engine.models), sort_keys=True, default=str)
+            if engine.models is not None else f"target:{engine.target.name}")
   return dict(format=FORMAT, drafter=engine.drafter.kind, policy=engine.policy,
               num_slots=engine.config.num_slots, max_draft=engine.config.max_draft,
               engine_config=json.dumps(cfg, sort_keys=True, default=str),

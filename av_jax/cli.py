@@ -189,6 +189,8 @@ def _compare_args(p: argparse.ArgumentParser) -> None:
   p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
   p.add_argument("--top-p", type=float, default=0.95)
   p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--warm-start", action="store_true",
+                 help="fit the estimator on a warm-up run first; runs continue from it")
   p.add_argument("--json", default=None, help="write settings and results here")
 
 
@@ -199,7 +201,8 @@ def cmd_compare(args) -> None:
                      max_new=args.max_new, prompt_len=args.prompt_len,
                      requests_per_slot=args.requests_per_slot, max_len=args.max_len,
                      temperature=args.temperature, top_p=args.top_p, seed=args.seed,
-                     context_len=args.context_len, log=lambda line: print(line, flush=True))
+                     context_len=args.context_len, warm_start=args.warm_start,
+                     log=lambda line: print(line, flush=True))
   if args.json:
     C.write_json(args.json, result)
     print(f"wrote {args.json} ({len(result['results'])} records)")

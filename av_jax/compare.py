@@ -238,10 +238,17 @@ class Runner:
 
   def __init__(self, *, temperature: float, top_p: float, max_len: int,
                refit_interval: int, steps_per_chunk: int = 8, seed: int = 0,
-               clock: ClockSpec = ClockSpec("wall"), log: Callable[[str], None] = print):
+               clock: ClockSpec = ClockSpec("wall"), warm_start: bool = False,
+               log: Callable[[str], None] = print):
+    # warm_start: every run continues from the idle state the arm's previous run (first:
+    # the warm-up run) ended in, so the online estimator starts fitted, as in a server
+    # that has been running; False: every run starts from the estimator's prior.
+    self.warm_start = warm_start
+    self._states: dict = {}
     self.temperature, self.top_p, self.max_len = temperature, top_p, max_len
     self.refit_interval, self.steps_per_chunk, self.seed = refit_interval, steps_per_chunk, seed
     self.clock, self.log = clock, log
+    self.warm_tokens = 32  # tokens per request of the warm-up run under warm_start
     self._engines: dict = {}
     self._profiles: dict = {}
 
@@ -273,8 +280,11 @@ class Runner:
             dataclasses.replace(config, mode="av"), pair.cfg, pair.drafter)
         cost, profile = prof.profile_costs(av_engine, params)
         self._profiles[key] = profile
-      E.generate(engine, params, warm_prompts[:slots], max_new_tokens=arm.k + 2,
-                 key=jax.random.PRNGKey(self.seed), cost=cost)
+      warm = E.generate(engine, params, warm_prompts[:slots] if not self.warm_start
+                        else warm_prompts, max_new_tokens=arm.k + 2 if not self.warm_start
+                        else self.warm_tokens, key=jax.random.PRNGKey(self.seed), cost=cost)
+      if self.warm_start:
+        self._states[key] = warm.state
       self.log(f"  compiled {pair.drafter.kind} B={slots} {arm.name} in "
                f"{time.perf_counter() - start:.1f} s")
       self._engines[key] = (engine, cost)
@@ -297,9 +307,13 @@ class Runner:
 
     tables = self.tables(pair, slots, arm)
     start = time.perf_counter()
+    key = (pair.drafter.kind, slots, arm)
     result = E.generate(engine, params, prompts, max_new_tokens=max_new,
                         key=jax.random.PRNGKey(self.seed + 1 + repeat), cost=cost,
-                        on_chunk=on_chunk, clock="wall" if tables is None else tables)
+                        on_chunk=on_chunk, clock="wall" if tables is None else tables,
+                        state=self._states.get(key))
+    if self.warm_start:
+      self._states[key] = result.state
     seconds = time.perf_counter() - start
     active = np.concatenate([np.asarray(a) for a in active])
     verified = np.concatenate([np.asarray(v) for v in verified])
@@ -439,7 +453,7 @@ def compare(*, drafters: str | Sequence[str] = "block", workloads: str | Sequenc
             max_draft: int = 8, max_new: int = 48, prompt_len: int = 32,
             requests_per_slot: int = 2, min_requests: int = 4, max_len: int | None = None, temperature: float = 1.0,
             top_p: float = 0.95, refit_interval: int = 16, steps_per_chunk: int = 8,
-            seed: int = 0, context_len: int = DEFAULT_CONTEXT,
+            seed: int = 0, context_len: int = DEFAULT_CONTEXT, warm_start: bool = False,
             pairs: Mapping[str, object] | None = None,
             prompts: Callable[..., list[list[int]]] | None = None,
             log: Callable[[str], None] = print) -> dict:
@@ -465,6 +479,9 @@ def compare(*, drafters: str | Sequence[str] = "block", workloads: str | Sequenc
     steps_per_chunk: decode steps per host sync.
     seed: prompts and keys.
     context_len: KV positions per request of a roofline clock.
+    warm_start: the warm-up run decodes every prompt for `max_new` tokens and each run
+      continues from the state the arm's previous run ended in (the estimator starts
+      fitted, as in a running server); False: every run starts from the prior.
     pairs: `{drafter kind: ModelPair}` to use instead of loading `models` (tests).
     prompts: `prompts(pair, workload, num=, length=, seed=)` instead of the held-out
       workload prompts (tests).
@@ -494,7 +511,8 @@ def compare(*, drafters: str | Sequence[str] = "block", workloads: str | Sequenc
       pairs[kind] = M.load(models, drafter=kind)
   runner = Runner(temperature=temperature, top_p=top_p, max_len=max_len,
                   refit_interval=refit_interval, steps_per_chunk=steps_per_chunk, seed=seed,
-                  clock=spec, log=log)
+                  clock=spec, warm_start=warm_start, log=log)
+  runner.warm_tokens = max_new
   rows = []
   for slots in slots_list:
     num = max(min_requests, requests_per_slot * slots)
@@ -502,8 +520,11 @@ def compare(*, drafters: str | Sequence[str] = "block", workloads: str | Sequenc
       pair = pairs[kind]
       for workload in workload_list:
         ps = prompts(pair, workload, num=num, length=prompt_len, seed=seed)
+        # A warm start fits the estimator on other prompts of the same workload.
+        warm = prompts(pair, workload, num=num, length=prompt_len,
+                       seed=seed + 1000) if warm_start else ps
         for arm in arm_list:  # compile (and profile) before any timing
-          runner.engine(pair, slots, arm, ps)
+          runner.engine(pair, slots, arm, warm)
         group = []
         for r in range(repeats):  # interleaved, so machine noise hits every arm alike
           for arm in arm_list:
@@ -518,7 +539,7 @@ def compare(*, drafters: str | Sequence[str] = "block", workloads: str | Sequenc
       clock=spec.name, clock_kind=spec.kind, models=models, max_draft=max_draft,
       max_new=max_new, prompt_len=prompt_len, requests_per_slot=requests_per_slot,
       min_requests=min_requests, max_len=max_len, temperature=temperature, top_p=top_p, refit_interval=refit_interval,
-      steps_per_chunk=steps_per_chunk, seed=seed,
+      steps_per_chunk=steps_per_chunk, seed=seed, warm_start=warm_start,
       context_len=spec.context_len if spec.kind == "roofline" else None,
       drafter_shapes=({k: drafter_shape(spec.shape, k) for k in drafter_names}
                       if spec.kind == "roofline" else None),
@@ -532,9 +553,14 @@ def format_group(group: Sequence[dict]) -> str:
   if not group:
     return ""
   g = group[0]
-  label = g.get("clock_label", "wall clock, this machine")
+  if "clock_label" in g:  # the tables differ per arm by K only: show the adaptive arm's
+    label = next((r["clock_label"] for r in group if "vs" in r), g["clock_label"])
+    label = f"{label.removeprefix('modelled: ')}; K per arm"
+    kind = "modelled"
+  else:
+    label, kind = "this machine", "wall"
   head = (f"{g['drafter']} / {g['workload']} / concurrency {g['concurrency']}  "
-          f"[{'modelled' if 'clock_label' in g else 'wall'}: {label}]")
+          f"[{kind}: {label}]")
   lines = [head, f"  {'arm':>12} {'tok/s':>10} {'tok/s/req':>10} {'vs best static':>14} "
                  f"{'tok/step':>8} {'accept':>6} {'wall tok/s':>10}"]
   for r in group:

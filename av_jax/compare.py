@@ -308,6 +308,9 @@ class Runner:
     tables = self.tables(pair, slots, arm)
     start = time.perf_counter()
     key = (pair.drafter.kind, slots, arm)
+    # A continued state's statistics are running totals: this run's are the difference.
+    before = self._states.get(key)
+    before = None if before is None else jax.device_get(before.stats)
     result = E.generate(engine, params, prompts, max_new_tokens=max_new,
                         key=jax.random.PRNGKey(self.seed + 1 + repeat), cost=cost,
                         on_chunk=on_chunk, clock="wall" if tables is None else tables,
@@ -320,6 +323,10 @@ class Runner:
     drafted = np.concatenate([np.asarray(d) for d in drafted])
     busy = active > 0
     s = result.stats
+    if before is not None:
+      s = dict(s, emitted=s["emitted"] - int(before.emitted),
+               accepted=s["accepted"] - int(before.accepted_at.sum()),
+               labeled=s["labeled"] - int(before.labeled_at.sum()))
     tok_s = s["emitted"] / seconds
     mean_active = float(active[busy].mean()) if busy.any() else 1.0
     row = dict(drafter=pair.drafter.kind, concurrency=slots, arm=arm.name, mode=arm.mode,

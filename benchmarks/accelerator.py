@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -42,10 +43,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from av_jax import costs
+from av_jax.decision import make_decider
 from av_jax.decision import make_decision
-from av_jax.estimator import online_estimator
 from av_jax.features import logit_qmax
-from av_jax.planner import make_planner
 from av_jax.selection import linear_cost_model
 
 FEATURE_SIZES = ((64, 8, 32768), (256, 8, 131072), (256, 8, 262144))
@@ -165,9 +165,13 @@ def decision_function(B: int, K: int):
   Kept in one place: the decision API may be renamed by the engine refactor.
   Returns `(init_state, step)` with `step(state, logits, accepted, labeled, active)`.
   """
-  decide = make_decision(online_estimator(K), make_planner(
-      linear_cost_model(B, B * (K + 1)), policy="current"), donate=False)
-  return decide.init(B), decide.step
+  decide = make_decision(make_decider(K, policy="current"), donate=False)
+  cost = linear_cost_model(B, B * (K + 1))
+  return decide.init(B), functools.partial(_decide_step, decide.step, cost=cost)
+
+
+def _decide_step(step, state, logits, accepted, labeled, active, *, cost):
+  return step(state, logits, accepted, labeled, active, cost)
 
 
 def decision_pass(sizes, *, repeats: int, clock: Clock) -> list[dict]:

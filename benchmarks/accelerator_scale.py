@@ -96,8 +96,8 @@ def goals(results: list[dict]) -> list[dict]:
 
 def markdown(result: dict, goal_rows: list[dict], command: str) -> str:
   s = result["settings"]
-  label = next((r["clock_label"] for r in result["results"] if "clock_label" in r), s["clock"])
-  lines = [f"# Accelerator-scale study ({label})", "",
+  lines = [f"# Accelerator-scale study (modelled: {s['clock'].replace(':', ' / ')} shapes, "
+           f"acceptance from av_jax {s['models']} models)", "",
            f"Acceptance from av_jax `{s['models']}` models on this machine ({s['device']}, "
            f"jax {s['jax']}); time modelled ({s['clock']}, context {s['context_len']}, "
            f"drafter cost shapes {s['drafter_shapes']}). {s['max_new']} new tokens per "

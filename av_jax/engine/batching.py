@@ -278,7 +278,7 @@ def generate(engine: core.Engine, params: core.Params, prompts: Sequence[Sequenc
         modelled_clock.ClockRecord(*(np.concatenate([getattr(r, f) for r in records])
                                      if records else np.zeros((0,), np.int64)
                                      for f in modelled_clock.ClockRecord._fields)),
-        tables, emitted=stats["emitted"])
+        tables)  # this run's tokens (stats are running totals of a continued state)
   return GenerateResult(completions=completions, stats=stats, infos=infos, state=state,
                         stopped=stopped, wall_s=time.perf_counter() - start,
                         modelled=modelled)

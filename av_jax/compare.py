@@ -343,6 +343,9 @@ class Runner:
       row.update(tokens_per_s=m["tokens_per_s"],
                  per_request_tokens_per_s=m["per_request_tokens_per_s"],
                  modelled_seconds=m["seconds"], modelled_step_ms=m["mean_step_ms"],
+                 steady_tokens_per_s=m["steady_tokens_per_s"],
+                 steady_per_request_tokens_per_s=m["steady_per_request_tokens_per_s"],
+                 steady_steps=m["steady_steps"],
                  clock_label=m["label"])
     elif arm.mode == "oracle":
       # Wall clock: the oracle verified every draft and is charged, in hindsight, only for
@@ -428,10 +431,13 @@ def records(rows: Sequence[dict]) -> list[dict]:
                tokens_per_step=med("tokens_per_step"),
                verified_per_step=med("verified_per_step"), acceptance=med("acceptance"),
                drafted_share=med("drafted_share"),
+               steady_tokens_per_s=med("steady_tokens_per_s"),
+               steady_per_request_tokens_per_s=med("steady_per_request_tokens_per_s"),
                repeats=[{k: r[k] for k in ("repeat", "tokens_per_s",
                                            "per_request_tokens_per_s", "wall_tokens_per_s",
                                            "wall_per_request_tokens_per_s", "seconds",
-                                           "modelled_seconds", "tokens", "steps")
+                                           "modelled_seconds", "tokens", "steps",
+                                           "steady_tokens_per_s", "steady_steps")
                          if k in r} for r in rs])
     if "clock_label" in rs[0]:
       rec["clock_label"] = rs[0]["clock_label"]

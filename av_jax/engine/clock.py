@@ -121,7 +121,10 @@ def figures(infos, tables: CostTables, *, emitted: int | None = None,
   """Modelled throughput of a run: seconds, tokens/s, per-request tokens/s, the label.
 
   Per-request tokens/s is tokens/s divided by the mean number of active requests over
-  the charged steps (the wall-clock figures of `av_jax.compare` use the same rule).
+  the charged steps (the wall-clock figures of `av_jax.compare` use the same rule). The
+  `steady_*` figures count only the steps with every slot busy (the most active requests
+  of the run): the run before its final drain, whose length the slowest request sets
+  whatever the arm.
 
   Args:
     infos: the run's `StepInfo` records.
@@ -136,10 +139,18 @@ def figures(infos, tables: CostTables, *, emitted: int | None = None,
   seconds = float(ms.sum()) / 1e3
   mean_active = float(rec.active[busy].mean()) if busy.any() else 1.0
   tok_s = tokens / seconds if seconds > 0 else 0.0
+  # Steady state: the steps with every slot busy (the most active requests of the run),
+  # before the final drain, whose length the slowest request sets.
+  full = busy & (rec.active == rec.active.max()) if busy.any() else busy
+  full_s = float(ms[full].sum()) / 1e3
+  steady = float(rec.emitted[full].sum()) / full_s if full_s > 0 else 0.0
   return dict(label=tables.label, verify=verify, seconds=seconds, steps=int(busy.sum()),
               tokens=tokens, tokens_per_s=tok_s,
               per_request_tokens_per_s=tok_s / mean_active,
-              mean_step_ms=float(ms[busy].mean()) if busy.any() else 0.0)
+              mean_step_ms=float(ms[busy].mean()) if busy.any() else 0.0,
+              steady_steps=int(full.sum()), steady_tokens_per_s=steady,
+              steady_per_request_tokens_per_s=(steady / float(rec.active.max())
+                                               if full.any() else 0.0))
 
 
 def summary_line(modelled: Mapping[str, float | str]) -> str:

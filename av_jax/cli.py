@@ -1,8 +1,10 @@
-"""`av-jax` command line: generate (streaming), profile (cost tables), demo (main job),
-bench (the studies suite).
+"""`av-jax` command line: generate (streaming), profile (cost tables), compare (arms side
+by side), demo (main job: a short compare), bench (the studies suite).
 
     av-jax generate --prompt "def fib(n):" --drafter eagle --mode av
     av-jax profile --drafter block --slots 16
+    av-jax compare --drafter block --workload mixed --concurrency 1,4,16 \
+        --arms target_only,fixed:2,fixed:8,av --clock h200:llama3-8b --json out.json
     av-jax demo
     av-jax bench --quick
 """
@@ -16,6 +18,8 @@ import time
 import jax
 import numpy as np
 
+from av_jax import compare as C
+from av_jax import costs
 from av_jax._flags import at_least, model_set, temperature, top_p
 from av_jax import engine as E
 from av_jax import models as M
@@ -163,7 +167,106 @@ def cmd_profile(args) -> None:
 
 
 def cmd_demo(args) -> None:
-  demo.main(args)
+  """The main job: a short preset of `compare` (the demo's flags mapped onto it)."""
+  start = time.perf_counter()
+  print(f"av_jax demo = av-jax compare --drafter {args.drafter} --workload {args.workload} "
+        f"--concurrency {args.slots} --arms {args.arms} --repeats {args.repeats} "
+        f"--clock {args.clock} (models={args.models}, K={args.k}, {args.requests} requests x "
+        f"{args.max_new} tokens, device={jax.devices()[0].device_kind})", flush=True)
+  result = C.compare(drafters=args.drafter, workloads=args.workload, concurrency=[args.slots],
+                     arms=args.arms, repeats=args.repeats, clock=args.clock,
+                     models=args.models, max_draft=args.k, max_new=args.max_new,
+                     prompt_len=args.prompt_len,
+                     requests_per_slot=max(1, args.requests // args.slots),
+                     temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+                     log=lambda line: print(line, flush=True) if not line.startswith(
+                         "  compiled") else None)
+  if args.json:
+    C.write_json(args.json, result)
+  print(f"done in {time.perf_counter() - start:.1f} s"
+        + (f"; JSON in {args.json}" if args.json else ""))
+
+
+def _demo_preset_args(p: argparse.ArgumentParser) -> None:
+  """The compare flags of the demo preset beyond the demo's own."""
+  p.add_argument("--arms", type=_arms_type, default="target_only,fixed:8,av",
+                 help="comma-separated arms (av-jax compare --arms)")
+  p.add_argument("--clock", type=_clock_type, default="wall",
+                 help="wall, DEVICE:SHAPE (e.g. h200:llama3-8b) or a cost-table .json")
+  p.add_argument("--json", default=None, help="also write compare's JSON here")
+
+
+def _checked(parse):
+  """An argparse `type` from a parser that raises ValueError (message kept)."""
+  def check(text):
+    try:
+      parse(text)
+    except ValueError as e:
+      raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+  return check
+
+
+_arms_type = _checked(C.parse_arms)
+_clock_type = _checked(C.parse_clock)
+
+
+def _positive_ints(text: str) -> str:
+  return _checked(lambda t: C._int_list("concurrency", t))(text)  # pylint: disable=protected-access
+
+
+def _positive_int(text: str) -> int:
+  if not text.isdigit() or int(text) < 1:
+    raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+  return int(text)
+
+
+def _compare_args(p: argparse.ArgumentParser) -> None:
+  p.add_argument("--models", default="default", help="shipped model set name")
+  p.add_argument("--drafter", default="block", type=_checked(
+      lambda t: C._names("drafter", t, M.KINDS)),  # pylint: disable=protected-access
+                 help=f"drafter kinds, comma-separated, of {list(M.KINDS)}")
+  p.add_argument("--workload", default="mixed", type=_checked(
+      lambda t: C._names("workload", t, C.workload_names())),  # pylint: disable=protected-access
+                 help=f"workloads, comma-separated, of {list(C.workload_names())}")
+  p.add_argument("--concurrency", default="1,2,4,8", type=_positive_ints,
+                 help="comma-separated concurrencies (slots)")
+  p.add_argument("--arms", default=C.DEFAULT_ARMS, type=_arms_type,
+                 help="comma-separated arms: target_only, fixed:K, av, av_head, oracle "
+                      "(av_jax.arms)")
+  p.add_argument("--repeats", type=_positive_int, default=3, help="timed runs per arm, interleaved")
+  p.add_argument("--clock", default="wall", type=_clock_type,
+                 help="wall, DEVICE:SHAPE (e.g. h200:llama3-8b; devices "
+                      f"{list(costs.DEVICE_NAMES)}) or a cost-table .json file")
+  p.add_argument("--context-len", type=_positive_int, default=C.DEFAULT_CONTEXT,
+                 help="KV positions per request of a DEVICE:SHAPE clock")
+  p.add_argument("--k", type=_positive_int, default=8, help="K of arms given without :K")
+  p.add_argument("--max-new", type=_positive_int, default=48, help="tokens generated per request")
+  p.add_argument("--prompt-len", type=_positive_int, default=32, help="prompt tokens")
+  p.add_argument("--requests-per-slot", type=_positive_int, default=2,
+                 help="requests per run = this x concurrency (at least 4)")
+  p.add_argument("--max-len", type=int, default=None,
+                 help="cache positions per slot (default prompt + output + K + 8)")
+  p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
+  p.add_argument("--top-p", type=float, default=0.95)
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--warm-start", action="store_true",
+                 help="fit the estimator on a warm-up run first; runs continue from it")
+  p.add_argument("--json", default=None, help="write settings and results here")
+
+
+def cmd_compare(args) -> None:
+  result = C.compare(drafters=args.drafter, workloads=args.workload,
+                     concurrency=args.concurrency, arms=args.arms, repeats=args.repeats,
+                     clock=args.clock, models=args.models, max_draft=args.k,
+                     max_new=args.max_new, prompt_len=args.prompt_len,
+                     requests_per_slot=args.requests_per_slot, max_len=args.max_len,
+                     temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+                     context_len=args.context_len, warm_start=args.warm_start,
+                     log=lambda line: print(line, flush=True))
+  if args.json:
+    C.write_json(args.json, result)
+    print(f"wrote {args.json} ({len(result['results'])} records)")
 
 
 def cmd_bench(args) -> None:
@@ -186,8 +289,13 @@ def main(argv=None) -> None:
   _engine_args(p)
   p.add_argument("--refresh", action="store_true", help="re-measure even if cached")
   p.set_defaults(func=cmd_profile)
-  d = sub.add_parser("demo", help="AV against fixed K on the shipped models (main job)")
+  c = sub.add_parser("compare", help="any arms side by side, wall or modelled clock, JSON")
+  _compare_args(c)
+  c.set_defaults(func=cmd_compare)
+  d = sub.add_parser("demo", help="AV against fixed K on the shipped models (main job: a "
+                                  "short av-jax compare)")
   demo.add_args(d)
+  _demo_preset_args(d)
   d.set_defaults(func=cmd_demo)
   b = sub.add_parser("bench", help="the studies suite: report, plots, JSON in reports/")
   studies.add_args(b)

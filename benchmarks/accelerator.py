@@ -15,7 +15,8 @@ installed; no matplotlib). Writes at most 6 files to DIR:
 * `verify_table.json`: a random-weight llama3-8b-shaped bf16 verify forward at T = 1 ...
   4096 packed tokens over a 2048-token KV context, plus an EAGLE-3-shaped drafter per
   depth, as a cost-table file (`av_jax.costs.load_cost_table` reads it);
-* `compare.json`: `av-jax compare` on the shipped models (a marked hook, not run yet);
+* `compare.json`: `av-jax compare` on the shipped models, wall clock on the device
+  (`COMPARE`: block drafter, mixed workload, concurrency 1, 16, 64 while time lasts);
 * `summary.md`: all of the above as tables.
 
 The forward is written here, not taken from `av_jax.models`: it has grouped-query KV
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -41,10 +43,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from av_jax import costs
+from av_jax.decision import make_decider
 from av_jax.decision import make_decision
-from av_jax.estimator import online_estimator
 from av_jax.features import logit_qmax
-from av_jax.planner import make_planner
 from av_jax.selection import linear_cost_model
 
 FEATURE_SIZES = ((64, 8, 32768), (256, 8, 131072), (256, 8, 262144))
@@ -164,9 +165,13 @@ def decision_function(B: int, K: int):
   Kept in one place: the decision API may be renamed by the engine refactor.
   Returns `(init_state, step)` with `step(state, logits, accepted, labeled, active)`.
   """
-  decide = make_decision(online_estimator(K), make_planner(
-      linear_cost_model(B, B * (K + 1)), policy="current"), donate=False)
-  return decide.init(B), decide.step
+  decide = make_decision(make_decider(K, policy="current"), donate=False)
+  cost = linear_cost_model(B, B * (K + 1))
+  return decide.init(B), functools.partial(_decide_step, decide.step, cost=cost)
+
+
+def _decide_step(step, state, logits, accepted, labeled, active, *, cost):
+  return step(state, logits, accepted, labeled, active, cost)
 
 
 def decision_pass(sizes, *, repeats: int, clock: Clock) -> list[dict]:
@@ -348,23 +353,48 @@ def verify_table(*, quick: bool, repeats: int, bytes_limit, clock: Clock) -> dic
 # ----------------------------------------------------------------------------- compare
 
 
-def run_compare(out: str, *, quick: bool) -> dict:
-  """HOOK (issue 13 item 3): `av-jax compare` on the shipped models, wall clock on the device.
+COMPARE = dict(drafters="block", workloads="mixed", arms="target_only,fixed:4,fixed:8,av",
+               concurrency=(1, 16, 64), repeats=2, max_new=48)
+# Quick (CPU, in the test suite): two arms at K = 2, one concurrency, a few tokens.
+QUICK_COMPARE = dict(drafters="block", workloads="code", arms="fixed:2,av", concurrency=(2,),
+                     repeats=1, max_new=6, max_draft=2)
+COMPARE_MARGIN_S = 60.0  # a concurrency starts only with this much of the budget left
 
-  The lead adds the call here once `av-jax compare` exists, e.g.
-  `av_jax.cli.main(["compare", "--drafter", "block", "--workload", "mixed", "--concurrency",
-  "1,2,4,8,16,32,64", "--arms", "target_only,fixed:1,fixed:2,fixed:4,fixed:8,av",
-  "--repeats", "3", "--clock", "wall", "--json", os.path.join(out, "compare.json")])`.
+
+def run_compare(out: str, *, quick: bool, clock: Clock | None = None) -> dict:
+  """`av-jax compare` on the shipped models, wall clock on the device (issue 13 item 3).
+
+  One concurrency at a time while the time budget lasts (compile and profile before
+  timing, interleaved repeats, as `av-jax compare` does); returns its JSON (`settings`,
+  `results`) plus the concurrencies skipped for time.
   """
-  del out, quick
-  return dict(status="not run: `av-jax compare` does not exist yet (issue 13 item 3)")
+  from av_jax import compare as C  # pylint: disable=g-import-not-at-top  (deferred: loads
+  # the models and the engine, which the other measurements do not need)
+  del out
+  preset = dict(QUICK_COMPARE if quick else COMPARE)
+  concurrency = preset.pop("concurrency")
+  merged, skipped = None, []
+  for c in concurrency:
+    if clock is not None and clock.left() < COMPARE_MARGIN_S and merged is not None:
+      skipped.append(c)
+      continue
+    part = C.compare(concurrency=[c], clock="wall", requests_per_slot=2,
+                     log=lambda line: print(line, flush=True), **preset)
+    if merged is None:
+      merged = part
+    else:
+      merged["results"] += part["results"]
+      merged["settings"]["seconds"] += part["settings"]["seconds"]
+  merged["settings"]["concurrency"] = [c for c in concurrency if c not in skipped]
+  merged["skipped_for_time"] = skipped
+  return merged
 
 
 # ----------------------------------------------------------------------------- summary
 
 
 def summary_markdown(device: dict, features: list, decisions: list, verify: dict,
-                     roofline: dict) -> str:
+                     roofline: dict, compared: dict | None = None) -> str:
   lines = [f"# Accelerator benchmark: {device['device_kind']} ({device['platform']})", "",
            f"jax {device['jax']}, Python {device['python']}, "
            f"{device['num_devices']} device(s), memory limit {device['memory_bytes_limit']}; "
@@ -394,6 +424,18 @@ def summary_markdown(device: dict, features: list, decisions: list, verify: dict
   for t, ms in zip(tables.buckets, tables.bucket_ms):
     model = roofline.get(int(t))
     lines.append(f"| {t} | {ms:.3f} | {'' if model is None else f'{model:.3f}'} |")
+  if compared:
+    st = compared["settings"]
+    lines += ["", f"## av-jax compare (wall clock, this device): {st['drafters']} drafter, "
+              f"{st['workloads']} workload, {st['max_new']} new tokens, {st['repeats']} repeats",
+              "", "| B | arm | tokens/s | per-request tokens/s | vs best static | accept |",
+              "|---:|---|---:|---:|---:|---:|"]
+    for r in compared["results"]:
+      lines.append(f"| {r['concurrency']} | {r['arm']} | {r['tokens_per_s']:.1f} | "
+                   f"{r['per_request_tokens_per_s']:.1f} | {r['vs_best_static']:.3f} | "
+                   f"{r['acceptance']:.3f} |")
+    if compared.get("skipped_for_time"):
+      lines.append(f"\nSkipped for time: concurrency {compared['skipped_for_time']}.")
   return "\n".join(lines) + "\n"
 
 
@@ -437,10 +479,11 @@ def main(argv=None) -> int:
                         metadata=dict(verify["meta"], device=device))
   print(f"verify table done: {len(verify['tables'].buckets)} buckets "
         f"({clock.left():.0f} s left)", flush=True)
-  write("compare.json", run_compare(args.out, quick=args.quick))
+  compared = run_compare(args.out, quick=args.quick, clock=clock)
+  write("compare.json", compared)
   roofline = roofline_for(device, verify)
   with open(os.path.join(args.out, "summary.md"), "w") as f:
-    f.write(summary_markdown(device, features, decisions, verify, roofline))
+    f.write(summary_markdown(device, features, decisions, verify, roofline, compared))
   print(open(os.path.join(args.out, "summary.md")).read())
   return 0
 

@@ -49,6 +49,10 @@ def test_quick_run_writes_every_file(tmp_path):
                              rtol=1e-6)
   meta = load("verify_table.json")["metadata"]
   assert meta["layers_run"] == meta["layers_total"] == 2 and meta["complete"]
-  assert "not run" in load("compare.json")["status"]
+  compared = load("compare.json")
+  assert compared["settings"]["clock"] == "wall" and compared["settings"]["concurrency"] == [2]
+  assert {r["arm"] for r in compared["results"]} == {"fixed:2", "av"}
+  assert all(r["tokens_per_s"] > 0 and r["clock"] == "wall" for r in compared["results"])
   summary = open(os.path.join(out, "summary.md")).read()
   assert "logit_qmax" in summary and "QUICK RUN" in summary and "| 64 |" in summary
+  assert "## av-jax compare (wall clock, this device)" in summary

@@ -14,12 +14,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 from typing import Callable, Sequence
 
 import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from av_jax.costs import CostTables
+from av_jax.engine import clock as modelled_clock
 from av_jax.engine import core
 from av_jax.engine import distributed
 from av_jax.engine import sharding
@@ -42,6 +45,11 @@ class GenerateResult:
   infos: list[core.StepInfo]      # per-chunk step records (host numpy), if kept
   state: core.DecodeState | None = None  # the final (idle) state, to continue from
   stopped: bool = False          # True when `stop_after_chunks` ended the run early
+  wall_s: float = 0.0            # wall-clock seconds of the run (prefills included)
+  # With a modelled clock: `av_jax.engine.clock.figures` of the run (the deployment's
+  # modelled seconds, tokens/s and per-request tokens/s, and its "modelled: ..." label),
+  # next to the wall clock, never instead of it. None under the wall clock.
+  modelled: dict | None = None
 
 
 def _prompt_bucket(length: int, max_prompt: int) -> int:
@@ -113,7 +121,8 @@ def generate(engine: core.Engine, params: core.Params, prompts: Sequence[Sequenc
              on_chunk: Callable[[core.DecodeState, core.StepInfo], None] | None = None,
              state: core.DecodeState | None = None, mesh=None,
              stop_after_chunks: int | None = None, checkpoint_path: str | None = None,
-             resume_from: str | None = None) -> GenerateResult:
+             resume_from: str | None = None,
+             clock: str | CostTables = "wall") -> GenerateResult:
   """Generates continuations of `prompts` with continuous batching.
 
   Args:
@@ -123,7 +132,8 @@ def generate(engine: core.Engine, params: core.Params, prompts: Sequence[Sequenc
       gets a Completion with `finish_reason="error"`; the others are served.
     max_new_tokens: output limit, one for all or one per request.
     key: PRNG key of the run (same key, same tokens).
-    cost: step-cost tables for the planner (`core.default_cost` when None).
+    cost: step-cost tables for the planner (`core.default_cost` when None): a
+      `CostModel`, or `CostTables` (`av_jax.costs`) whose `.cost` is used.
     keep_infos: keep every chunk's per-step records (host copies) in the result.
     on_chunk: called after every chunk with the state and the chunk's step records
       (streaming, progress).
@@ -139,10 +149,21 @@ def generate(engine: core.Engine, params: core.Params, prompts: Sequence[Sequenc
     resume_from: a checkpoint written that way; the run continues exactly where it
       stopped (same prompts, limits and engine required), producing the tokens of an
       uninterrupted run with the same key.
+    clock: "wall" (default), or a modelled clock: `CostTables` (or "modelled" with
+      `cost` given as `CostTables`). The planner then decides with those tables
+      (`tables.cost` is the state's cost model) and every step is charged what they say
+      it costs (`av_jax.engine.clock`); `GenerateResult.modelled` holds the figures,
+      next to `wall_s`. A continued `state` keeps its own cost model.
 
   Returns:
     A `GenerateResult`.
   """
+  tables = _modelled_tables(clock, cost)
+  if isinstance(cost, CostTables):
+    cost = cost.cost
+  if tables is not None:
+    cost = tables.cost  # the planner decides with the tables it is charged with
+  start = time.perf_counter()
   if mesh is not None:
     engine = sharding.for_mesh(engine, mesh)  # one verify group per 'data' shard
   cfg = engine.config
@@ -190,6 +211,7 @@ def generate(engine: core.Engine, params: core.Params, prompts: Sequence[Sequenc
     params, state = sharding.place(engine, mesh, params, state)
     prefill, chunk = compiled_sharded(engine, mesh, params, state)
   infos = []
+  records = []  # the modelled clock's fields of every chunk
 
   def settle(state):
     """Collects finished slots and refills free ones until nothing changes."""
@@ -237,6 +259,9 @@ def generate(engine: core.Engine, params: core.Params, prompts: Sequence[Sequenc
     chunks += 1
     if keep_infos:
       infos.append(distributed.fetch(info))
+    if tables is not None:
+      records.append(modelled_clock.ClockRecord(*distributed.fetch(tuple(
+          getattr(info, name) for name in modelled_clock.ClockRecord._fields))))
     if on_chunk is not None:
       on_chunk(state, info)
     state = settle(state)
@@ -247,5 +272,28 @@ def generate(engine: core.Engine, params: core.Params, prompts: Sequence[Sequenc
                accepted=int(s.accepted_at.sum()), labeled=int(s.labeled_at.sum()),
                acceptance_at=(s.accepted_at / np.maximum(s.labeled_at, 1)).tolist(),
                bucket_hist=s.bucket_hist.tolist())
+  modelled = None
+  if tables is not None:
+    modelled = modelled_clock.figures(
+        modelled_clock.ClockRecord(*(np.concatenate([getattr(r, f) for r in records])
+                                     if records else np.zeros((0,), np.int64)
+                                     for f in modelled_clock.ClockRecord._fields)),
+        tables)  # this run's tokens (stats are running totals of a continued state)
   return GenerateResult(completions=completions, stats=stats, infos=infos, state=state,
-                        stopped=stopped)
+                        stopped=stopped, wall_s=time.perf_counter() - start,
+                        modelled=modelled)
+
+
+def _modelled_tables(clock, cost) -> CostTables | None:
+  """The `CostTables` of a modelled clock, None for the wall clock."""
+  if isinstance(clock, CostTables):
+    return clock
+  if clock == "wall":
+    return None
+  if clock == "modelled":
+    if not isinstance(cost, CostTables):
+      raise ValueError("clock: 'modelled' needs cost= given as av_jax.costs.CostTables "
+                       f"(the tables to decide with and charge), got {type(cost).__name__}")
+    return cost
+  raise ValueError(f"clock: expected 'wall', 'modelled' or av_jax.costs.CostTables, got "
+                   f"{clock!r}")

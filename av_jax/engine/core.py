@@ -224,6 +224,9 @@ class StepInfo(NamedTuple):
   extra: jax.Array         # [B, K, F] float32, RECORDED_FEATURES (F = 0 unless recording)
   drafting: jax.Array      # [] bool, the step drafted (False: target-only step)
   num_verified: jax.Array  # [B] int32, drafts each slot fed to the target (the plan)
+  draft_passes: jax.Array  # [] int32, drafter passes run this step: K for an autoregressive
+                           # drafter drafting every depth, 1 for a parallel drafter's pass,
+                           # 0 when nothing was drafted (the modelled clock's draft charge)
 
 
 class Params(NamedTuple):
@@ -736,8 +739,15 @@ def step(engine: Engine, params: Params, state: DecodeState) -> tuple[DecodeStat
                   active=jnp.sum(active, dtype=jnp.int32), features=drafts.features,
                   probs=probs, conf=drafts.conf, accepted=result.accepted, labeled=labeled,
                   slot_active=active, extra=drafts.extra, drafting=drafting,
-                  num_verified=plan.num_verified)
+                  num_verified=plan.num_verified,
+                  draft_passes=_draft_passes(engine, drafting))
   return new_state, info
+
+
+def _draft_passes(engine: Engine, drafting: jax.Array) -> jax.Array:
+  """`[]` int32 drafter passes of a step (`StepInfo.draft_passes`)."""
+  per_draft = engine.config.max_draft if engine.drafter.drafting == "autoregressive" else 1
+  return jnp.where(drafting, per_draft, 0).astype(jnp.int32)
 
 
 def run_chunk(engine: Engine, params: Params, state: DecodeState,

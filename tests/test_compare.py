@@ -1,0 +1,95 @@
+"""`av_jax.compare` on tiny random models: two arms, wall and modelled clocks, the JSON's
+schema, ratios computed from the records, and bad input refused by name (~1 min)."""
+
+import json
+
+import numpy as np
+import pytest
+
+from av_jax import cli
+from av_jax import compare as C
+from av_jax import models as M
+from tests import _engine_fixtures as fx
+
+
+def _pair(kind):
+  cfg, drafter, params = fx.pair(kind)
+  return M.ModelPair("tiny-random", cfg, None, params.target, drafter, params.drafter)
+
+
+def _prompts(pair, workload, *, num, length, seed):
+  rng = np.random.default_rng([seed, len(workload)])
+  return rng.integers(1, fx.VOCAB, (num, min(length, 6))).tolist()
+
+
+def _compare(clock, tmp_path):
+  result = C.compare(drafters="block", workloads="code", concurrency=[2], arms="fixed:2,av",
+                     repeats=2, clock=clock, max_draft=2, max_new=6, prompt_len=6,
+                     requests_per_slot=2, steps_per_chunk=4, refit_interval=4,
+                     context_len=256, pairs={"block": _pair("block")}, prompts=_prompts,
+                     log=lambda line: None)
+  path = tmp_path / "out.json"
+  C.write_json(str(path), result)
+  return json.loads(path.read_text())
+
+
+@pytest.mark.parametrize("clock", ["wall", "h200:llama3-8b"])
+def test_compare_json_schema_and_ratios(clock, tmp_path):
+  out = _compare(clock, tmp_path)
+  s = out["settings"]
+  assert s["arms"] == ["fixed:2", "av"] and s["concurrency"] == [2] and s["clock"] == clock
+  recs = {r["arm"]: r for r in out["results"]}
+  assert set(recs) == {"fixed:2", "av"}
+  for r in recs.values():
+    for field in ("drafter", "workload", "concurrency", "arm", "clock", "tokens_per_s",
+                  "per_request_tokens_per_s", "repeats"):
+      assert field in r
+    assert (r["drafter"], r["workload"], r["concurrency"], r["clock"]) == ("block", "code", 2,
+                                                                            clock)
+    per = [x["tokens_per_s"] for x in r["repeats"]]
+    assert len(per) == 2 and r["tokens_per_s"] == pytest.approx(np.median(per))
+    assert r["per_request_tokens_per_s"] == pytest.approx(
+        np.median([x["per_request_tokens_per_s"] for x in r["repeats"]]))
+    assert r["wall_tokens_per_s"] > 0 and r["per_request_tokens_per_s"] <= r["tokens_per_s"]
+  av, fixed = recs["av"], recs["fixed:2"]
+  assert av["best_static"] == "fixed:2"
+  assert av["vs_best_static"] == pytest.approx(av["tokens_per_s"] / fixed["tokens_per_s"])
+  assert av["vs"]["fixed:2"] == pytest.approx(av["tokens_per_s"] / fixed["tokens_per_s"])
+  assert "vs" not in fixed and fixed["vs_best_static"] == pytest.approx(1.0)
+  if clock == "wall":
+    assert "clock_label" not in av
+    for r in recs.values():  # the wall clock's figure is the wall figure
+      assert r["tokens_per_s"] == pytest.approx(r["wall_tokens_per_s"])
+  else:
+    assert av["clock_label"].startswith("modelled: h200, target llama3-8b, llama3-8b-dflash")
+    assert s["drafter_shapes"] == {"block": "llama3-8b-dflash"} and s["context_len"] == 256
+    for r in recs.values():  # modelled throughput from the modelled seconds
+      for x in r["repeats"]:
+        assert x["tokens_per_s"] == pytest.approx(x["tokens"] / x["modelled_seconds"])
+        assert x["wall_tokens_per_s"] == pytest.approx(x["tokens"] / x["seconds"])
+
+
+def test_bad_names_list_the_known_ones():
+  with pytest.raises(ValueError, match=r"arms: .*known arms: \('target_only'"):
+    C.parse_arms("target_only,fixd:2")
+  with pytest.raises(ValueError, match="each arm at most once"):
+    C.parse_arms("av,av")
+  with pytest.raises(ValueError, match=r"clock: unknown device 'h300'; known: \['h100'"):
+    C.parse_clock("h300:llama3-8b")
+  with pytest.raises(ValueError, match="clock: unknown shape 'llama9'; known:"):
+    C.parse_clock("h200:llama9")
+  with pytest.raises(ValueError, match="workload: unknown"):
+    C.compare(workloads="poetry", pairs={"block": _pair("block")}, prompts=_prompts)
+  with pytest.raises(ValueError, match="concurrency: expected"):
+    C.compare(concurrency="4,x", pairs={"block": _pair("block")}, prompts=_prompts)
+  for argv, word in ((["--arms", "av,bogus"], "arms"), (["--clock", "tpu9:llama3-8b"], "clock"),
+                     (["--workload", "poetry"], "workload"), (["--repeats", "0"], "repeats")):
+    with pytest.raises(SystemExit):
+      cli.main(["compare"] + argv)
+
+
+def test_arm_names_come_from_the_registry():
+  arms = C.parse_arms("target_only,fixed:4,av,oracle:3", max_draft=6)
+  assert [(a.mode, a.k) for a in arms] == [("target_only", 1), ("fixed", 4), ("av", 6),
+                                           ("oracle", 3)]
+  assert [a.static for a in arms] == [True, True, False, False]

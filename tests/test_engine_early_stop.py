@@ -4,7 +4,8 @@
 per request and for the batch; `av-no-stop` drafts all K like the `av` of before.
 
 * greedy identity with target-only decoding (eagle, draft_lm; `av`, `confstop:0.5`);
-* `av-no-stop` reproduces the recorded golden `av` run bit for bit;
+* `av-no-stop` reproduces the golden `av` run recorded before survival stop, bit for bit
+  (`tests/golden/av_no_stop.json`);
 * the emitted token's distribution in the sensitive regime (B = 1, K = 3, step-shaped
   verify cost so the budget splits on x1, frozen estimator, no exploration) against the
   exact target marginal, with the negative control (budget and tau from THIS step's
@@ -16,6 +17,7 @@ per request and for the batch; `av-no-stop` drafts all K like the `av` of before
 
 import dataclasses
 import functools
+import os
 import zlib
 
 import jax
@@ -78,7 +80,9 @@ def test_av_no_stop_reproduces_recorded_av():
   got = golden._record(engine, params, cost=golden._cost(None, config),
                        seed=zlib.crc32(name.encode()) % 1000, prompts=golden.PROMPTS,
                        max_new=golden.MAX_NEW)
-  want = golden.load(golden.TINY_PATH)[name]
+  # `av` of `eagle/av/t1` as recorded before survival stop shipped (tiny.json now holds
+  # the survival-stop run of the case).
+  want = golden.load(os.path.join(golden.HERE, "av_no_stop.json"))[name]
   assert golden.differences(want, got) == []
   assert all(p == 3 for p in got["steps"]["draft_passes"] if p)  # all K depths
 

@@ -8,11 +8,23 @@ synthetic simulator and the studies name arms from here and nowhere else.
 | `target_only` | no     | -                     | `none`                         | nothing            |
 | `fixed`       | yes    | -                     | `fixed` (all K of every slot)  | what it verified   |
 | `av`          | yes    | the online estimator  | exact for the drafter          | what it verified   |
+| `av-no-stop`  | yes    | the online estimator  | exact for the drafter          | what it verified   |
 | `av_head`     | yes    | the confidence head   | exact for the drafter          | what it verified   |
+| `confstop`    | yes    | -                     | `fixed`, confidence stop       | what it verified   |
 | `oracle`      | yes    | -                     | `fixed`, hindsight accounting  | only the accepted  |
 
+Drafting stop (`Arm.stop`, autoregressive drafters only; docs/algorithm.md section 10):
+`av` stops each request's drafting early by *survival stop* (`av_jax.stopping`): a
+request drafts depth j+1 only while its survival at depth j is at least a threshold
+from earlier steps; the lagged budget is allocated over the drafted positions.
+`av-no-stop` is AV drafting all K depths (the `av` of before survival stop). With a
+parallel drafter (one pass drafts all K) both are the same arm. `confstop:T` is vLLM's
+`DraftConfidenceStop`: the batch drafts depth j+1 while some request's drafts so far all
+have top-1 probability >= T, and every request verifies the same count (no budget).
+
 `parse_arm("fixed:4")` reads an arm name with an optional draft length, the form a
-command line or a comparison lists arms in.
+command line or a comparison lists arms in; `parse_arm("confstop:0.8")` reads the
+confidence threshold T instead (`confstop` alone is T = 0.5).
 """
 
 from __future__ import annotations
@@ -30,6 +42,9 @@ class Arm(NamedTuple):
   head: bool           # acceptance probabilities from the drafter's confidence head
   hindsight: bool      # counts only the accepted drafts as verified (a ceiling, not lossless)
   policy: str | None   # the fixed budget policy of a non-adaptive arm; None when adaptive
+  stop: str = "none"   # drafting stop for autoregressive drafters: "none", "survival"
+                       # (survival stop, `av_jax.stopping`) or "confidence" (`confstop:T`)
+  threshold: float | None = None  # T of the "confidence" stop; None for the others
 
 
 ARMS: dict[str, Arm] = {
@@ -37,33 +52,55 @@ ARMS: dict[str, Arm] = {
                        hindsight=False, policy="none"),
     "fixed": Arm("fixed", drafts=True, adaptive=False, head=False, hindsight=False,
                  policy="fixed"),
-    "av": Arm("av", drafts=True, adaptive=True, head=False, hindsight=False, policy=None),
+    "av": Arm("av", drafts=True, adaptive=True, head=False, hindsight=False, policy=None,
+              stop="survival"),
+    "av-no-stop": Arm("av-no-stop", drafts=True, adaptive=True, head=False, hindsight=False,
+                      policy=None),
     "av_head": Arm("av_head", drafts=True, adaptive=True, head=True, hindsight=False,
                    policy=None),
+    "confstop": Arm("confstop", drafts=True, adaptive=False, head=False, hindsight=False,
+                    policy="fixed", stop="confidence", threshold=0.5),
     "oracle": Arm("oracle", drafts=True, adaptive=False, head=False, hindsight=True,
                   policy="fixed"),
 }
 
 
 def get_arm(name: str) -> Arm:
-  """The arm called `name` (one of `ARMS`).
+  """The arm called `name` (one of `ARMS`, or `confstop:T` with a threshold T).
 
   Raises:
     ValueError: naming the argument and the known arms.
   """
+  base, sep, value = name.partition(":")
+  if sep and base == "confstop":
+    return ARMS[base]._replace(threshold=_threshold(value, name))
   if name not in ARMS:
-    raise ValueError(f"arm: expected one of {tuple(ARMS)}, got {name!r}")
+    raise ValueError(f"arm: expected one of {tuple(ARMS)} (or confstop:T), got {name!r}")
   return ARMS[name]
+
+
+def _threshold(value: str, text: str) -> float:
+  try:
+    t = float(value)
+  except ValueError:
+    t = float("nan")
+  if not 0.0 <= t <= 1.0:  # also refuses NaN
+    raise ValueError(f"arm: expected confstop:T with a threshold T in [0, 1], got {text!r}")
+  return t
 
 
 def parse_arm(text: str) -> tuple[Arm, int | None]:
   """`"av"` -> (ARMS["av"], None); `"fixed:4"` -> (ARMS["fixed"], 4): an arm and an
-  optional maximum draft length K.
+  optional maximum draft length K. `"confstop:0.8"` -> (the `confstop` arm with
+  threshold 0.8, None): for `confstop` the suffix is the threshold T.
 
   Raises:
-    ValueError: an unknown arm, or a draft length that is not a positive integer.
+    ValueError: an unknown arm, a draft length that is not a positive integer, or a
+      confstop threshold outside [0, 1].
   """
   name, sep, length = text.partition(":")
+  if name == "confstop":
+    return get_arm(text), None
   arm = get_arm(name)
   if not sep:
     return arm, None

@@ -92,10 +92,33 @@ class Decider(NamedTuple):
       return jnp.asarray(conf)
     return self.estimator.predict(state.estimator, features)
 
+  def keep_drafting(self, state: DecisionState, probs: jax.typing.ArrayLike,
+                    drafted: jax.typing.ArrayLike, depth: jax.typing.ArrayLike, *,
+                    active: jax.typing.ArrayLike,
+                    top1: jax.typing.ArrayLike | None = None) -> jax.Array:
+    """`[B] bool`: whether each request drafts depth `depth + 1` (the planner's drafting
+    stop, `PlannerConfig.draft_stop`; docs/algorithm.md section 10).
+
+    Reads depths 1..`depth` of its inputs only, so the drafting loop can call it after
+    each depth with buffers whose deeper entries are not drafted yet.
+
+    Args:
+      state: the decision state (survival stop's threshold lives in `state.planner`).
+      probs: `[B, K]` acceptance probabilities (`score`) of the depths drafted so far.
+      drafted: `[B, K]` bool, positions drafted so far (a prefix per slot).
+      depth: int scalar, depths drafted so far (traced).
+      active: `[B]` bool, slots decoding (and sound) this step.
+      top1: `[B, K]` top-1 probability of each draft distribution (confidence stop).
+    """
+    return self.planner.keep_drafting(state.planner, probs, drafted, depth, active=active,
+                                      top1=top1)
+
   def plan(self, state: DecisionState, probs: jax.typing.ArrayLike, cost: CostModel, *,
            active: jax.typing.ArrayLike | None = None,
            sound: jax.typing.ArrayLike | None = None,
-           drafting: jax.typing.ArrayLike = True) -> tuple[Plan, DecisionState]:
+           drafting: jax.typing.ArrayLike = True,
+           drafted: jax.typing.ArrayLike | None = None,
+           top1: jax.typing.ArrayLike | None = None) -> tuple[Plan, DecisionState]:
     """What to verify this step: survival, budget, allocation, exploration, gate.
 
     Args:
@@ -107,6 +130,11 @@ class Decider(NamedTuple):
         this step (a target-only step for them). All when None.
       drafting: `[] bool`, whether this step drafted; a step that did not verifies
         nothing and leaves the lagged budget and the gate as they were.
+      drafted: `[B, K]` bool, positions drafted (a prefix per slot; a drafting stop or a
+        non-finite position ends it); None: all. Only drafted positions are ranked,
+        allocated and verified, and the next budget and survival stop's threshold are
+        computed over them.
+      top1: `[B, K]` top-1 draft probabilities (required by the confidence stop).
 
     Returns:
       `(plan, new_state)`.
@@ -116,7 +144,7 @@ class Decider(NamedTuple):
       active = jnp.asarray(sound) if active is None else jnp.asarray(active) & sound
       _checks.shape("sound", jnp.asarray(sound), (B,), "B")
     plan, planner = self.planner.plan(state.planner, probs, cost, active=active,
-                                      drafting=drafting)
+                                      drafting=drafting, drafted=drafted, top1=top1)
     return plan, state._replace(planner=planner)
 
   def learn(self, state: DecisionState, features: jax.typing.ArrayLike,

@@ -91,6 +91,7 @@ class NumpyDecision:
     state["planner.budget"] = np.asarray(_ALL, np.int32)
     state["planner.step"] = np.zeros((), np.int32)
     state["planner.drafting_pays"] = np.asarray(True)  # the decision always drafts
+    state["planner.tau"] = np.zeros((), _F32)  # survival stop's threshold: no stop here
     state["features"] = np.zeros((batch_size, self.config.num_positions), _F32)
     return state
 

@@ -181,13 +181,18 @@ def test_nonfinite_draft_logits_fall_back_per_slot(cost_kind):
     faults += bad
     after = poisoned[t + 1][0] if t + 1 < len(poisoned) else jax.tree.map(
         np.asarray, (poisoned_state.length, poisoned_state.active, poisoned_state.estimator))
-    # A poisoned slot decodes target-only this step: one token, no drafts, no labels.
-    assert not info.labeled[bad].any() and not info.accepted[bad].any()
-    np.testing.assert_array_equal(after[0][bad] - length[bad], 1)
+    # A poisoned position and every deeper one are neither verified nor labelled; the
+    # finite prefix before it may be (issue 12 item 6: the fallback for position i reads
+    # positions <= i only). Slot 0 is poisoned at position 1: a target-only step.
+    unusable = bad[:, None] & (np.arange(K)[None] >= (np.arange(B) % K)[:, None])
+    assert not info.labeled[unusable].any() and not info.accepted[unusable].any()
+    assert (info.num_verified[bad] <= (np.arange(B) % K)[bad]).all()
+    first = bad & (np.arange(B) % K == 0)
+    np.testing.assert_array_equal(after[0][first] - length[first], 1)
     assert np.all(np.isfinite(info.features)) and np.all(np.isfinite(info.probs))
     assert 0 <= int(info.budget) <= B * K
-    # The estimator learns exactly the step's labels without the poisoned slots.
-    expected = replay(est_before, info.features, info.accepted, info.labeled & ~bad[:, None])
+    # The estimator learns exactly the step's labels without the poisoned positions.
+    expected = replay(est_before, info.features, info.accepted, info.labeled & ~unusable)
     chex.assert_trees_all_close(after[2], expected, rtol=1e-5, atol=1e-6)
     if cost_kind == "verify_all":  # every clean active slot verified (position 1 labelled)
       assert info.labeled[active & ~bad, 0].all()

@@ -37,8 +37,10 @@ def test_engine_holds_the_decider_the_benchmark_times():
   engine, _ = _engine("eagle")
   config = engine.config
   cost = E.default_cost(config)
-  # An autoregressive drafter never skips drafting (no gate), sampled drafts: lagged.
-  planner = dataclasses.replace(config.planner, skip_unprofitable_drafts=False)
+  # An autoregressive drafter never skips drafting (no gate), sampled drafts: lagged;
+  # `av` stops its drafting by survival stop.
+  planner = dataclasses.replace(config.planner, skip_unprofitable_drafts=False,
+                                draft_stop="survival")
   bench = DecisionConfig(num_positions=config.max_draft, draft_ms=tuple(cost.draft_ms.tolist()),
                          verify_ms=tuple(cost.verify_ms.tolist()), policy="lagged",
                          estimator=config.estimator, planner=planner)
@@ -67,14 +69,16 @@ def test_engine_decisions_equal_the_verbs_replayed(kind, temperature, policy):
   info = jax.tree.map(lambda *x: np.concatenate(x), *result.infos)
   assert info.verified.sum() > 0 and int(result.state.estimator.num_refits) >= 2
   score, learn = jax.jit(decider.score), jax.jit(decider.learn)
-  plan_fn = jax.jit(lambda state, probs, cost, active: decider.plan(state, probs, cost,
-                                                                    active=active))
+  plan_fn = jax.jit(lambda state, probs, cost, active, drafted: decider.plan(
+      state, probs, cost, active=active, drafted=drafted))
   cost = E.default_cost(engine.config)
   state = decider.init()
   for t in range(info.budget.shape[0]):
     probs = score(state, info.features[t])
     np.testing.assert_allclose(probs, info.probs[t], rtol=1e-6, atol=1e-7, err_msg=f"step {t}")
-    plan, state = plan_fn(state, info.probs[t], cost, info.slot_active[t])
+    # The positions the engine drafted (survival stop may end a slot's drafting early).
+    drafted = np.arange(info.probs.shape[-1])[None] < info.drafted_depth[t][:, None]
+    plan, state = plan_fn(state, info.probs[t], cost, info.slot_active[t], drafted)
     np.testing.assert_array_equal(plan.num_verified, info.num_verified[t], err_msg=f"step {t}")
     assert int(plan.budget) == int(info.budget[t]), t
     state = learn(state, info.features[t], info.accepted[t], info.labeled[t])

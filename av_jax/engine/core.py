@@ -73,7 +73,7 @@ class EngineConfig:
   num_slots: int = 8             # B, concurrent request slots
   max_draft: int = 8             # K, maximum draft length
   max_len: int = 512             # M, cache positions per slot (prompt + output + K + 1)
-  mode: str = "av"               # the arm, one of `av_jax.arms.ARMS`
+  mode: str = "av"               # the arm, one of `av_jax.arms.ARMS` (or "confstop:T")
   policy: str | None = None      # planner budget policy; None = the exact one for the drafter
   num_buckets: int = 4           # static packed-token sizes between B and B*(K+1)
   buckets: tuple[int, ...] | None = None  # explicit bucket sizes (override num_buckets)
@@ -109,8 +109,11 @@ class EngineConfig:
     self.__post_init__()
 
   def __post_init__(self):
-    if self.mode not in ARMS:
-      raise ValueError(f"mode: expected one of {tuple(ARMS)}, got {self.mode!r}")
+    try:
+      get_arm(self.mode)
+    except ValueError:
+      raise ValueError(f"mode: expected one of {tuple(ARMS)} or confstop:T, got "
+                       f"{self.mode!r}") from None
     if self.num_slots < 1 or self.max_draft < 1:
       raise ValueError(f"num_slots and max_draft: expected >= 1, got "
                        f"{self.num_slots}, {self.max_draft}")
@@ -179,7 +182,8 @@ class EngineStats(NamedTuple):
   steps: jax.Array            # [] int32, decode steps run
   emitted: jax.Array          # [] int32, tokens emitted (after stops)
   verified: jax.Array         # [] int32, draft tokens verified
-  draft_tokens: jax.Array     # [] int32, K per active slot-step (draft tokens proposed)
+  draft_tokens: jax.Array     # [] int32, draft tokens proposed: K per active slot-step, or
+                              # the depths drafted under a drafting stop
   accepted_at: jax.Array      # [K] int32, accepted drafts per position
   labeled_at: jax.Array       # [K] int32, labelled drafts per position
   bucket_hist: jax.Array      # [num_buckets] int32, steps per bucket
@@ -224,9 +228,11 @@ class StepInfo(NamedTuple):
   extra: jax.Array         # [B, K, F] float32, RECORDED_FEATURES (F = 0 unless recording)
   drafting: jax.Array      # [] bool, the step drafted (False: target-only step)
   num_verified: jax.Array  # [B] int32, drafts each slot fed to the target (the plan)
-  draft_passes: jax.Array  # [] int32, drafter passes run this step: K for an autoregressive
-                           # drafter drafting every depth, 1 for a parallel drafter's pass,
-                           # 0 when nothing was drafted (the modelled clock's draft charge)
+  # [] int32, drafter passes run this step: K for an autoregressive drafter drafting all
+  # depths (fewer when a drafting stop ended the loop early), 1 for a parallel drafter,
+  # 0 when nothing was drafted.
+  draft_passes: jax.Array
+  drafted_depth: jax.Array  # [B] int32, depths each slot drafted (0: inactive / none)
 
 
 class Params(NamedTuple):
@@ -298,12 +304,22 @@ def make_engine(config: EngineConfig, models: ModelsConfig | None = None,
   # Only parallel drafters may skip drafting: they keep no cache that a skipped step
   # would leave behind.
   gated = config.planner.skip_unprofitable_drafts and drafter.drafting == "parallel"
+  # Survival stop needs an autoregressive drafter that drafts depth by depth (with a
+  # parallel one, or one without `stepwise`, `av` drafts all K like `av-no-stop`); the
+  # confidence stop's verification rule applies to any drafter.
+  stop = arm.stop
+  if stop == "survival" and not (drafter.drafting == "autoregressive" and drafter.stepwise):
+    stop = "none"
+  stop_settings = dict(draft_stop=stop)
+  if arm.threshold is not None:
+    stop_settings["confidence_threshold"] = arm.threshold
   decider = make_decider(
       config.max_draft, policy=policy_for(arm, drafting=drafter.drafting, greedy=config.greedy,
                                           requested=policy),
       head=arm.head, estimator=config.estimator,
       planner=dataclasses.replace(config.planner,
-                                  skip_unprofitable_drafts=gated and arm.adaptive))
+                                  skip_unprofitable_drafts=gated and arm.adaptive,
+                                  **stop_settings))
   return Engine(config=config, models=models, target=target, drafter=drafter, policy=policy,
                 arm=arm, decider=decider)
 
@@ -506,9 +522,15 @@ class Drafts(NamedTuple):
   probs: jax.Array      # [B, K, V] float32, q the drafts were drawn from
   features: jax.Array   # [B, K] float32, logit_qmax
   conf: jax.Array       # [B, K] float32, confidence-head probability (0 if none)
-  finite: jax.Array     # [B] bool, draft logits finite
+  finite: jax.Array     # [B] bool, draft logits finite at every drafted position
   extra: jax.Array      # [B, K, F] float32, recorded features
   state: DrafterState   # drafter state to commit
+  # [B, K] bool, positions that may be verified: drafted, and every position up to and
+  # including it finite (the fallback decides position i from positions <= i only)
+  usable: jax.Array
+  depth: jax.Array      # [B] int32, depths drafted (K unless a drafting stop ended it)
+  passes: jax.Array     # [] int32, drafter passes run
+  top1: jax.Array       # [B, K] float32, top-1 draft probability (confidence stop; else 0)
 
 
 def _no_draft(engine: Engine, state: DecodeState) -> Drafts:
@@ -518,30 +540,94 @@ def _no_draft(engine: Engine, state: DecodeState) -> Drafts:
   return Drafts(tokens=jnp.zeros((B, K), jnp.int32), probs=jnp.zeros((B, K, V), jnp.float32),
                   features=jnp.zeros((B, K), jnp.float32), conf=jnp.zeros((B, K), jnp.float32),
                   finite=jnp.ones((B,), bool), extra=jnp.zeros((B, K, F), jnp.float32),
-                  state=state.drafter)
+                  state=state.drafter, usable=jnp.ones((B, K), bool),
+                  depth=jnp.zeros((B,), jnp.int32), passes=jnp.zeros((), jnp.int32),
+                  top1=jnp.zeros((B, K), jnp.float32))
 
 
-def _draft(engine: Engine, params: Params, state: DecodeState,
-                     key: jax.Array) -> Drafts:
+def _sound(logits: jax.Array, log_probs: jax.Array | None) -> jax.Array:
+  """`[...]` bool: a draft distribution `[..., V]` is sound. A fault is a NaN or +inf
+  logit, or a position with every token banned; -inf entries alone are banned tokens, a
+  valid distribution. A drafter's own sampling distribution is checked too."""
+  sound = (~jnp.any(jnp.isnan(logits) | (logits == jnp.inf), axis=-1)
+           & jnp.any(logits > -jnp.inf, axis=-1))
+  if log_probs is not None:
+    sound &= ~jnp.any(jnp.isnan(log_probs), axis=-1)
+  return sound
+
+
+def _stepwise(engine: Engine) -> bool:
+  """The drafting loop evaluates a drafting stop between depths (autoregressive
+  drafters that support it, under an arm with a stop)."""
+  return (engine.decider.planner.stop != "none" and engine.drafter.stepwise
+          and engine.drafter.drafting == "autoregressive")
+
+
+def _keep_fn(engine: Engine, state: DecodeState, decision: DecisionState):
+  """The drafting stop evaluated after each depth j: scores S[b, 1..j] from the features
+  of depths <= j (`decider.score`), then the planner's rule (`decider.keep_drafting`).
+  A slot whose depth-j distribution is not sound stops (its later depths could not be
+  verified). Returns `(keep_fn, aux0)` for `Drafter.draft`."""
+  cfg, decider = engine.config, engine.decider
+  B, K, V = cfg.num_slots, cfg.max_draft, engine.target.vocab_size
+  uniform = -jnp.log(jnp.float32(V))
+
+  def keep_fn(depth, logits, log_probs, aux):
+    features, sound, top1 = aux
+    ok = _sound(logits, log_probs)                                          # [B]
+    if log_probs is None:
+      log_probs = sampling_log_probs(jnp.where(ok[:, None], logits, 0.0),
+                                     temperature=cfg.sampling.temperature,
+                                     top_p=cfg.sampling.top_p)
+    else:
+      log_probs = jnp.where(ok[:, None], log_probs, uniform)
+    column = depth - 1
+    put = lambda buf, x: jax.lax.dynamic_update_index_in_dim(buf, x, column, axis=1)
+    features = put(features, logit_qmax(log_probs[:, None, :])[:, 0])
+    sound = put(sound, ok)
+    top1 = put(top1, jnp.exp(jnp.max(log_probs, axis=-1)))
+    drafted = (jnp.arange(K)[None] < depth) & (jnp.cumprod(sound, axis=1) > 0)
+    probs = decider.score(decision, features)
+    keep = decider.keep_drafting(decision, probs, drafted, depth, active=state.active,
+                                 top1=top1)
+    return keep & ok, (features, sound, top1)
+
+  aux0 = (jnp.zeros((B, K), jnp.float32), jnp.zeros((B, K), bool),
+          jnp.zeros((B, K), jnp.float32))
+  return keep_fn, aux0
+
+
+def _draft(engine: Engine, params: Params, state: DecodeState, key: jax.Array,
+           decision: DecisionState) -> Drafts:
   cfg = engine.config
   B, K = cfg.num_slots, cfg.max_draft
+  stop_kwargs = {}
+  if _stepwise(engine):
+    keep_fn, aux0 = _keep_fn(engine, state, decision)
+    stop_kwargs = dict(keep_fn=keep_fn, keep_init=aux0)
   draft = engine.drafter.draft(params.drafter, params.target, state.drafter, key, K=K,
-                               temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p)
-  # A fault is a NaN or +inf logit, or a position with every token banned; -inf entries
-  # alone are banned tokens, a valid distribution.
+                               temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p,
+                               **stop_kwargs)
   logits = draft.logits
-  sound = (~jnp.any(jnp.isnan(logits) | (logits == jnp.inf), axis=-1)
-           & jnp.any(logits > -jnp.inf, axis=-1))                          # [B, K]
-  if draft.log_probs is not None:  # a drafter's own sampling distribution is checked too
-    sound &= ~jnp.any(jnp.isnan(draft.log_probs), axis=-1)
+  full = engine.drafter.drafting == "autoregressive"
+  depth = jnp.full((B,), K, jnp.int32) if draft.depth is None else draft.depth
+  passes = jnp.int32(K if full else 1) if draft.passes is None else draft.passes
+  drafted = jnp.arange(K)[None] < depth[:, None]                          # [B, K]
+  sound = _sound(logits, draft.log_probs) | ~drafted                      # [B, K]
   finite = jnp.all(sound, axis=1)
-  draft_logits = jnp.where(finite[:, None, None], logits, 0.0)
+  # Fallback per position: position i may be verified only if positions 1..i are sound,
+  # which reads nothing deeper than i (issue 12, item 6: with an autoregressive drafter
+  # positions > i depend on the draw at i, so a whole-slot check would make verifying i
+  # depend on that draw). Unusable positions get placeholder distributions.
+  ok = jnp.cumprod(sound, axis=1) > 0                                     # [B, K]
+  usable = ok & drafted
+  draft_logits = jnp.where(ok[..., None], logits, 0.0)
   # One top-p pass serves the draw, the feature (filtered entries are -inf, so logit_qmax
   # of the log-probs is the feature of the sampled distribution) and q for verification:
   # the drafter's own when it returns it.
   if draft.log_probs is not None:
-    uniform = -jnp.log(jnp.float32(draft_logits.shape[-1]))  # unverified slots only
-    log_probs = jnp.where(finite[:, None, None], draft.log_probs, uniform)
+    uniform = -jnp.log(jnp.float32(draft_logits.shape[-1]))  # unverified positions only
+    log_probs = jnp.where(usable[..., None], draft.log_probs, uniform)
   else:
     log_probs = sampling_log_probs(draft_logits, temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p)
   if cfg.greedy:  # greedy drafting: q is the point mass on the arg-max
@@ -555,8 +641,11 @@ def _draft(engine: Engine, params: Params, state: DecodeState,
                        for name in RECORDED_FEATURES], axis=-1)
   else:
     extra = jnp.zeros((B, K, 0), jnp.float32)
+  top1 = (jnp.exp(jnp.max(log_probs, axis=-1)) if engine.decider.planner.stop == "confidence"
+          else jnp.zeros((B, K), jnp.float32))
   return Drafts(tokens=draft.tokens, probs=probs, features=logit_qmax(log_probs), conf=conf,
-                  finite=finite, extra=extra, state=draft.state)
+                finite=finite, extra=extra, state=draft.state, usable=usable, depth=depth,
+                passes=passes, top1=top1)
 
 
 def _target_step(engine: Engine, target_params, cache, key, *, base, position, active):
@@ -606,15 +695,16 @@ class _Stops(NamedTuple):
 
 
 def _draft_phase(engine: Engine, params: Params, state: DecodeState, key: jax.Array,
-                 drafting: jax.Array) -> Drafts:
+                 drafting: jax.Array, decision: DecisionState) -> Drafts:
   """Draft and score the drafts (from the distribution, never the token); a step that
-  does not draft (target-only arm, or the gate closed) returns placeholders."""
+  does not draft (target-only arm, or the gate closed) returns placeholders. Under a
+  drafting stop the loop over depths ends per request and for the batch (`_keep_fn`)."""
   if not engine.arm.drafts:
     return _no_draft(engine, state)
   if engine.decider.planner.gated:
-    return jax.lax.cond(drafting, lambda: _draft(engine, params, state, key),
+    return jax.lax.cond(drafting, lambda: _draft(engine, params, state, key, decision),
                         lambda: _no_draft(engine, state))
-  return _draft(engine, params, state, key)
+  return _draft(engine, params, state, key, decision)
 
 
 def _verify_phase(engine: Engine, params: Params, state: DecodeState, drafts: Drafts,
@@ -688,7 +778,9 @@ def _count(engine: Engine, stats: EngineStats, *, state: DecodeState, drafts: Dr
       steps=stats.steps + 1,
       emitted=stats.emitted + jnp.sum(stops.num_kept),
       verified=stats.verified + jnp.sum(verified),
-      draft_tokens=stats.draft_tokens + K * jnp.sum(active),
+      draft_tokens=stats.draft_tokens + (
+          jnp.sum(jnp.where(active, drafts.depth, 0)) if _stepwise(engine)
+          else K * jnp.sum(active)),
       accepted_at=stats.accepted_at + jnp.sum(accepted & labeled, 0, dtype=jnp.int32),
       labeled_at=stats.labeled_at + jnp.sum(labeled, 0, dtype=jnp.int32),
       bucket_hist=stats.bucket_hist.at[verdict.bucket].add(1),
@@ -710,12 +802,14 @@ def step(engine: Engine, params: Params, state: DecodeState) -> tuple[DecodeStat
   # Gate: a step that verifies nothing drafts nothing (target-only decoding always; AV
   # with a parallel drafter after a step where drafting did not pay, until a re-check).
   drafting = jnp.asarray(engine.arm.drafts) & decider.drafts(decision)
-  drafts = _draft_phase(engine, params, state, k_draft, drafting)
+  drafts = _draft_phase(engine, params, state, k_draft, drafting, decision)
 
-  # Decide. A slot with non-finite draft logits falls back to target-only this step.
+  # Decide over the usable positions: drafted, and finite up to and including them (a
+  # slot whose first draft is not finite falls back to target-only this step).
   probs = decider.score(decision, drafts.features, conf=drafts.conf)
   plan, decision = decider.plan(decision, probs, state.cost, active=active,
-                                sound=drafts.finite, drafting=drafting)
+                                sound=drafts.usable[:, 0], drafting=drafting,
+                                drafted=drafts.usable, top1=drafts.top1)
 
   verdict = _verify_phase(engine, params, state, drafts, plan.num_verified, drafting,
                           k_verify)
@@ -726,7 +820,7 @@ def step(engine: Engine, params: Params, state: DecodeState) -> tuple[DecodeStat
   drafter_state = _commit_phase(engine, state, drafts, verdict)
 
   # Learn from the labels verification produced anyway, and count.
-  labeled = result.labeled & (active & drafts.finite)[:, None]
+  labeled = result.labeled & active[:, None] & drafts.usable
   decision = decider.learn(decision, drafts.features, result.accepted, labeled)
   stats = _count(engine, state.stats, state=state, drafts=drafts, verdict=verdict,
                  stops=stops, verified=verified, labeled=labeled)
@@ -740,14 +834,9 @@ def step(engine: Engine, params: Params, state: DecodeState) -> tuple[DecodeStat
                   probs=probs, conf=drafts.conf, accepted=result.accepted, labeled=labeled,
                   slot_active=active, extra=drafts.extra, drafting=drafting,
                   num_verified=plan.num_verified,
-                  draft_passes=_draft_passes(engine, drafting))
+                  draft_passes=jnp.where(drafting & jnp.any(active), drafts.passes, 0),
+                  drafted_depth=jnp.where(active & drafting, drafts.depth, 0))
   return new_state, info
-
-
-def _draft_passes(engine: Engine, drafting: jax.Array) -> jax.Array:
-  """`[]` int32 drafter passes of a step (`StepInfo.draft_passes`)."""
-  per_draft = engine.config.max_draft if engine.drafter.drafting == "autoregressive" else 1
-  return jnp.where(drafting, per_draft, 0).astype(jnp.int32)
 
 
 def run_chunk(engine: Engine, params: Params, state: DecodeState,

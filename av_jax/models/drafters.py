@@ -18,6 +18,10 @@ Protocol (all functions pure; `K` static, `temperature` / `top_p` may be traced 
                              next_token=[B], K=K, max_len=M, prompt_lens=[B] or None)
   out = drafter.draft(params, target_params, state, key, K=K, temperature=t, top_p=p)
   # out.logits [B,K,V], out.tokens [B,K], out.conf_logits [B,K] or None, out.state
+  out = drafter.draft(..., keep_fn=keep_fn, keep_init=aux)   # drafters with `stepwise`
+  # keep_fn(depth, logits [B,V], log_probs [B,V], aux) -> (keep [B] bool, aux), called
+  # after each depth; depth j+1 is drafted for the rows that keep (stopping is
+  # absorbing) and the loop ends when none does: out.depth [B], out.passes []
   state = drafter.commit(out.state, emitted_tokens=[B,K+1], num_emitted=[B],
                          target_hidden=[B,K+1,D])
 
@@ -131,6 +135,10 @@ class DraftOutput(NamedTuple):
   # applied; the temperature-1 softmax when greedy), or None: the engine then recomputes
   # them from `logits`.
   log_probs: jax.Array | None = None
+  # [B] int32 depths drafted per slot when a `keep_fn` stopped drafting early (entries
+  # of logits / tokens / log_probs at deeper positions are zeros); None: all K.
+  depth: jax.Array | None = None
+  passes: jax.Array | None = None  # [] int32 drafter passes run; None: K (or 1, parallel)
 
 
 class Drafter(NamedTuple):
@@ -142,6 +150,7 @@ class Drafter(NamedTuple):
   draft: Callable        # (params, target_params, state, key, *, K, temperature, top_p)
                          #  -> DraftOutput
   commit: Callable       # (state, *, emitted_tokens, num_emitted, target_hidden) -> DrafterState
+  stepwise: bool = False  # `draft` takes `keep_fn` / `keep_init` (early stop by depth)
 
 
 # ----------------------------------------------------------------------------- modules
@@ -318,6 +327,49 @@ def _init_inputs(prompt, prompt_hidden, next_token, prompt_lens):
   return prompt, prompt_hidden, next_token, lens
 
 
+def _autoregressive(step, carry, first, keys, K, keep_fn=None, keep_init=None):
+  """Depths 2..K of an autoregressive draft after depth 1 (`first`).
+
+  `step(carry, (key,)) -> (carry, (logits [B,V], token [B], log_probs [B,V]))` runs one
+  drafter pass. Without `keep_fn` a `lax.scan` runs all K - 1 passes. With it a
+  `lax.while_loop` runs pass j + 1 while some row keeps drafting after depth j: rows that
+  stopped still ride along in a pass that runs (their outputs are discarded, their cache
+  writes land above the prefix the next step consumes and are never read), and a pass
+  no row needs is not run. Depth j's key is `keys[j - 1]` either way, so what a row
+  drafts does not depend on where other rows stopped.
+
+  Returns `(carry, logits [B,K,V], tokens [B,K], log_probs [B,K,V], depth [B] | None,
+  passes [] | None)`.
+  """
+  logits0, tok0, lp0 = first
+  if keep_fn is None:
+    carry, (logits, toks, lps) = jax.lax.scan(step, carry, (keys[1:],))
+    stack = lambda f, rest: jnp.concatenate([f[:, None], jnp.moveaxis(rest, 0, 1)], 1)
+    return carry, stack(logits0, logits), stack(tok0, toks), stack(lp0, lps), None, None
+  B = tok0.shape[0]
+  buffer = lambda x: jnp.zeros((B, K) + x.shape[1:], x.dtype).at[:, 0].set(x)
+  keep, aux = keep_fn(jnp.int32(1), logits0, lp0, keep_init)
+  init = (jnp.int32(1), carry, buffer(logits0), buffer(tok0), buffer(lp0),
+          jnp.ones((B,), jnp.int32), keep, aux)
+
+  def cond(loop):
+    j, keep = loop[0], loop[6]
+    return (j < K) & jnp.any(keep)
+
+  def body(loop):
+    j, carry, logits, toks, lps, depth, keep, aux = loop
+    carry, (lg, tok, lp) = step(carry, (keys[j],))
+    row = lambda x: keep.reshape((B,) + (1,) * (x.ndim - 1))
+    put = lambda buf, x: jax.lax.dynamic_update_index_in_dim(
+        buf, jnp.where(row(x), x, jnp.zeros_like(x)), j, axis=1)
+    more, aux = keep_fn(j + 1, lg, lp, aux)
+    return (j + 1, carry, put(logits, lg), put(toks, tok), put(lps, lp),
+            depth + keep.astype(jnp.int32), keep & more, aux)
+
+  passes, carry, logits, toks, lps, depth, _, _ = jax.lax.while_loop(cond, body, init)
+  return carry, logits, toks, lps, depth, passes
+
+
 # ------------------------------------------------------------------------------ draft_lm
 
 
@@ -337,7 +389,8 @@ def _make_draft_lm(cfg: ModelsConfig) -> Drafter:
     tokens, hidden = _pending_from_prompt(prompt_hidden, next_token, lens, K)
     return DrafterState(cache, tokens, hidden, jnp.ones([batch], jnp.int32), lens)
 
-  def draft(params, target_params, state, key, *, K, temperature=1.0, top_p=1.0):
+  def draft(params, target_params, state, key, *, K, temperature=1.0, top_p=1.0,
+            keep_fn=None, keep_init=None):
     del target_params
     positions, valid = _pending_inputs(state)
     out = transformer.forward(params, state.tokens, positions, state.cache, cfg=lm_cfg,
@@ -355,13 +408,12 @@ def _make_draft_lm(cfg: ModelsConfig) -> Drafter:
       nxt, lp = sample_with_log_probs(k, logits, temperature=temperature, top_p=top_p)
       return (o.cache, nxt, pos + 1), (logits, nxt, lp)
 
-    (cache, _, _), (logits, toks, lps) = jax.lax.scan(step, (out.cache, tok0, pos_n + 1),
-                                                      (keys[1:],))
-    stack = lambda first, rest: jnp.concatenate([first[:, None], jnp.moveaxis(rest, 0, 1)], 1)
-    return DraftOutput(stack(logits0, logits), stack(tok0, toks), None,
-                       state._replace(cache=cache), stack(lp0, lps))
+    (cache, _, _), logits, toks, lps, depth, passes = _autoregressive(
+        step, (out.cache, tok0, pos_n + 1), (logits0, tok0, lp0), keys, K, keep_fn,
+        keep_init)
+    return DraftOutput(logits, toks, None, state._replace(cache=cache), lps, depth, passes)
 
-  return Drafter("draft_lm", DRAFTING["draft_lm"], init_state, draft, commit)
+  return Drafter("draft_lm", DRAFTING["draft_lm"], init_state, draft, commit, stepwise=True)
 
 
 # --------------------------------------------------------------------------------- eagle
@@ -397,7 +449,8 @@ def _make_eagle(cfg: ModelsConfig) -> Drafter:
     tokens, hidden = _pending_from_prompt(prompt_hidden, next_token, lens, K)
     return DrafterState(cache, tokens, hidden, jnp.ones([batch], jnp.int32), lens)
 
-  def draft(params, target_params, state, key, *, K, temperature=1.0, top_p=1.0):
+  def draft(params, target_params, state, key, *, K, temperature=1.0, top_p=1.0,
+            keep_fn=None, keep_init=None):
     emb = transformer.embedding(target_params)
     positions, valid = _pending_inputs(state)
     positions = positions - 1  # head position = sequence position - 1 (see init_state)
@@ -419,13 +472,12 @@ def _make_eagle(cfg: ModelsConfig) -> Drafter:
       nxt, lp = sample_with_log_probs(k, lg, temperature=temperature, top_p=top_p)
       return (cache, f, nxt, pos + 1), (lg, nxt, lp)
 
-    (cache, _, _, _), (lgs, toks, lps) = jax.lax.scan(step, (cache, feat0, tok0, pos_n),
-                                                      (keys[1:],))
-    stack = lambda first, rest: jnp.concatenate([first[:, None], jnp.moveaxis(rest, 0, 1)], 1)
-    return DraftOutput(stack(logits0, lgs), stack(tok0, toks), None,
-                       state._replace(cache=cache), stack(lp0, lps))
+    (cache, _, _, _), logits, toks, lps, depth, passes = _autoregressive(
+        step, (cache, feat0, tok0, pos_n), (logits0, tok0, lp0), keys, K, keep_fn,
+        keep_init)
+    return DraftOutput(logits, toks, None, state._replace(cache=cache), lps, depth, passes)
 
-  return Drafter("eagle", DRAFTING["eagle"], init_state, draft, commit)
+  return Drafter("eagle", DRAFTING["eagle"], init_state, draft, commit, stepwise=True)
 
 
 # --------------------------------------------------------------------------------- block

@@ -44,7 +44,10 @@ HEIGHT = 1.95
 
 def _engine(policy):
   cfg, drafter, params = fx.pair("draft_lm")
-  config = E.EngineConfig(num_slots=1, max_draft=2, max_len=8, mode="av", temperature=1.0,
+  # `av-no-stop`: AV drafting every depth, so the budget alone decides what is verified (the
+  # early stop of autoregressive drafting has its own sensitive test, test_engine_early_stop).
+  config = E.EngineConfig(num_slots=1, max_draft=2, max_len=8, mode="av-no-stop",
+                          temperature=1.0,
                           policy=policy, steps_per_chunk=1, buckets=(3,),
                           refit_interval=10**9, explore_every=0, init_slope=SLOPE,
                           init_intercept=INTERCEPT)

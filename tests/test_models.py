@@ -306,7 +306,8 @@ def test_auc_matches_pairwise_count():
 def test_tiny_trains_end_to_end_loads_drafts_and_guards_hashes(tmp_path):
   # One test (not a fixture shared by several) so that pytest-xdist trains `tiny` once.
   out = str(tmp_path / "tiny")
-  summary = pipeline.train_all(CFG, out, progress=False, log=lambda *_: None)
+  summary = pipeline.train_all(CFG, out, progress=False, log=lambda *_: None,
+                               work_dir=str(tmp_path / "state"))
   for part in ("target",) + models.KINDS:
     assert os.path.exists(checkpoint.path_of(out, "tiny", part))
   for name, loss in summary["heldout_loss"].items():
@@ -336,7 +337,7 @@ def test_tiny_trains_end_to_end_loads_drafts_and_guards_hashes(tmp_path):
   # Retraining one part reuses the tokenizer and target on disk and keeps the summary.
   before = checkpoint.read(checkpoint.path_of(out, "tiny", "target")).params
   again = pipeline.train_all(CFG, out, progress=False, log=lambda *_: None,
-                             only=("block_head",))
+                             only=("block_head",), work_dir=str(tmp_path / "state_again"))
   assert set(again["retrained"]) == {"block_head"} and again["heldout_loss"] == summary[
       "heldout_loss"]
   chex.assert_trees_all_equal(checkpoint.read(checkpoint.path_of(out, "tiny", "target")).params,

@@ -81,6 +81,9 @@ def run(key: jax.Array, workload: SyntheticWorkload, cost: CostModel, *, mode: s
   arm = get_arm(mode)
   if arm.head:
     raise ValueError(f"mode: the synthetic drafter has no confidence head, got {mode!r}")
+  if arm.stop == "confidence":  # it would silently run as `fixed`
+    raise ValueError(f"mode: the synthetic drafter drafts all K in one parallel pass, so a "
+                     f"drafting stop does not apply; got {mode!r}")
   decider = make_decider(K, policy=policy_for(arm, drafting="parallel", greedy=False),
                          estimator=EstimatorConfig(refit_interval=refit_interval))
 

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import av_jax
+from av_jax import simulate
 from av_jax.decision import make_decider, make_decision
 from av_jax.planner import make_planner
 
@@ -101,3 +102,10 @@ def test_reusing_a_donated_state_fails_with_the_documented_error():
   decide.step(new_state, *args)  # the returned state is the one to continue from
   doc = make_decision.__doc__
   assert "Buffer has been deleted or donated" in doc and "Array has been deleted" in doc
+
+
+def test_simulator_refuses_a_drafting_stop_arm():
+  workload = simulate.SyntheticWorkload(num_slots=2, num_positions=2)
+  cost = av_jax.linear_cost_model(2, 6)
+  with pytest.raises(ValueError, match="mode: .*confstop"):
+    simulate.run(jax.random.key(0), workload, cost, mode="confstop", num_steps=2)

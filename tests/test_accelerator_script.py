@@ -45,7 +45,9 @@ def test_quick_run_writes_every_file(tmp_path):
   assert np.all(tables.bucket_ms > 0) and tables.label.startswith("measured:")
   assert tables.draft_depth_ms.shape == (9, script.MAX_DRAFT)  # R = 0..8 requests
   assert np.all(tables.draft_depth_ms[0] == 0) and np.all(tables.draft_depth_ms[1:] > 0)
-  np.testing.assert_allclose(tables.cost.draft_ms, np.maximum(tables.draft_depth_ms.sum(1), 1e-6),
+  # make_cost_model repairs a timing-noisy (falling) table to its running maximum.
+  np.testing.assert_allclose(tables.cost.draft_ms,
+                             np.maximum.accumulate(np.maximum(tables.draft_depth_ms.sum(1), 1e-6)),
                              rtol=1e-6)
   meta = load("verify_table.json")["metadata"]
   assert meta["layers_run"] == meta["layers_total"] == 2 and meta["complete"]

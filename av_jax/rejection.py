@@ -31,11 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from av_jax import _checks
-
-
-def _is_concrete(*xs) -> bool:
-  """True when every array has a value now (an eager call), False under a trace."""
-  return not any(isinstance(x, jax.core.Tracer) for x in xs)
+from av_jax._ragged import _is_concrete, check_counts, ragged_index
 
 
 def _valid_prefix(draft_tokens: jax.Array, num_verified: jax.Array, V: int) -> jax.Array:
@@ -227,27 +223,16 @@ def rejection_sample_ragged(
   K = int(max_draft_len)
   if K < 1:
     raise ValueError(f"max_draft_len: expected >= 1, got {max_draft_len}")
-  if _is_concrete(num_draft_tokens):
-    counts_np = np.asarray(num_draft_tokens)
-    if counts_np.size and (counts_np.min() < 0 or counts_np.max() > K):
-      raise ValueError(f"num_draft_tokens: expected values in [0, max_draft_len={K}], "
-                       f"got {counts_np.tolist()}")
-    if counts_np.sum() > T:
-      raise ValueError(f"num_draft_tokens: expected a sum of at most T={T} (the flat "
-                       f"draft buffer), got {int(counts_np.sum())}")
+  check_counts(num_draft_tokens, num_tokens=T, max_draft_len=K)
 
   if T == 0:  # no draft token in the batch: gather from one dummy row, masked below
     draft_probs = jnp.zeros((1, V), jnp.float32)
     draft_tokens = jnp.zeros((1,), jnp.int32)
-  counts = jnp.clip(num_draft_tokens.astype(jnp.int32), 0, K)
-  starts = jnp.cumsum(counts) - counts  # exclusive cumsum: first draft row of b
-  counts = jnp.clip(T - starts, 0, counts)  # under jit: cut to fit the flat buffer
-  starts = jnp.cumsum(counts) - counts
+  counts, starts, draft_rows, in_draft = ragged_index(num_draft_tokens, num_tokens=T,
+                                                      max_draft_len=K)
   i = jnp.arange(K + 1)
-  draft_rows = jnp.minimum(starts[:, None] + i[None, :K], max(T, 1) - 1)          # [B, K]
   target_rows = jnp.minimum(starts[:, None] + jnp.arange(B)[:, None] + i[None, :],
                             T + B - 1)                                     # [B, K+1]
-  in_draft = i[None, :K] < counts[:, None]
   dense = rejection_sample(
       key,
       draft_probs=jnp.where(in_draft[..., None], draft_probs[draft_rows], 0.0),

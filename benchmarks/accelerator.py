@@ -46,6 +46,7 @@ from av_jax import costs
 from av_jax.decision import make_decider
 from av_jax.decision import make_decision
 from av_jax.features import logit_qmax
+from av_jax.profiling import median_ms
 from av_jax.selection import linear_cost_model
 
 FEATURE_SIZES = ((64, 8, 32768), (256, 8, 131072), (256, 8, 262144))
@@ -88,17 +89,6 @@ class Clock:
     return self.budget_s - (time.perf_counter() - self.start)
 
 
-def median_ms(fn, *args, repeats: int) -> float:
-  """Median wall time of `fn(*args)` after a compile + warm-up call, in milliseconds."""
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append((time.perf_counter() - start) * 1e3)
-  return float(np.median(times))
-
-
 # ------------------------------------------------------------------------------ device
 
 
@@ -132,31 +122,38 @@ def random_logits(B: int, K: int, V: int, dtype: str) -> jax.Array:
   return (jax.random.normal(k2, (B, K, V)) * scale).astype(dtype)
 
 
-def feature_pass(sizes, *, copy_gbps: float, repeats: int, clock: Clock) -> list[dict]:
-  """`logit_qmax` against one `jnp.max` and a copy of the same logits, per size and dtype."""
-  feature = jax.jit(lambda x: logit_qmax(x, temperature=1.0, top_p=1.0))
-  maximum = jax.jit(lambda x: jnp.max(x, axis=-1))
-  copy = jax.jit(lambda x: x * 2)
+def each_size(sizes, clock: Clock, measure) -> list[dict]:
+  """`measure(B, K, V, dtype) -> dict` per size and dtype while the clock has time left;
+  a row that would start after the deadline says it was skipped."""
   rows = []
   for B, K, V in sizes:
     for dtype in DTYPES:
       if clock.left() <= 0:
         rows.append(dict(B=B, K=K, V=V, dtype=dtype, skipped="time budget spent"))
-        continue
-      logits = random_logits(B, K, V, dtype)
-      nbytes = logits.size * logits.dtype.itemsize
-      f_ms = median_ms(feature, logits, repeats=repeats)
-      m_ms = median_ms(maximum, logits, repeats=repeats)
-      c_ms = median_ms(copy, logits, repeats=repeats)
-      gbps = lambda ms, passes=1: passes * nbytes / ms / 1e6
-      rows.append(dict(B=B, K=K, V=V, dtype=dtype, logits_bytes=nbytes, feature_ms=f_ms,
-                       max_ms=m_ms, copy_ms=c_ms, feature_gbps=gbps(f_ms),
-                       max_gbps=gbps(m_ms), copy_gbps=gbps(c_ms, 2),
-                       feature_fraction_of_copy=gbps(f_ms) / copy_gbps,
-                       max_fraction_of_copy=gbps(m_ms) / copy_gbps,
-                       feature_over_max=f_ms / m_ms))
-      del logits
+      else:
+        rows.append(dict(B=B, K=K, V=V, dtype=dtype, **measure(B, K, V, dtype)))
   return rows
+
+
+def feature_pass(sizes, *, copy_gbps: float, repeats: int, clock: Clock) -> list[dict]:
+  """`logit_qmax` against one `jnp.max` and a copy of the same logits, per size and dtype."""
+  feature = jax.jit(lambda x: logit_qmax(x, temperature=1.0, top_p=1.0))
+  maximum = jax.jit(lambda x: jnp.max(x, axis=-1))
+  copy = jax.jit(lambda x: x * 2)
+
+  def measure(B, K, V, dtype):
+    logits = random_logits(B, K, V, dtype)
+    nbytes = logits.size * logits.dtype.itemsize
+    f_ms = median_ms(feature, logits, repeats=repeats)
+    m_ms = median_ms(maximum, logits, repeats=repeats)
+    c_ms = median_ms(copy, logits, repeats=repeats)
+    gbps = lambda ms, passes=1: passes * nbytes / ms / 1e6
+    return dict(logits_bytes=nbytes, feature_ms=f_ms, max_ms=m_ms, copy_ms=c_ms,
+                feature_gbps=gbps(f_ms), max_gbps=gbps(m_ms), copy_gbps=gbps(c_ms, 2),
+                feature_fraction_of_copy=gbps(f_ms) / copy_gbps,
+                max_fraction_of_copy=gbps(m_ms) / copy_gbps, feature_over_max=f_ms / m_ms)
+
+  return each_size(sizes, clock, measure)
 
 
 def decision_function(B: int, K: int):
@@ -176,21 +173,17 @@ def _decide_step(step, state, logits, accepted, labeled, active, *, cost):
 
 def decision_pass(sizes, *, repeats: int, clock: Clock) -> list[dict]:
   """Median ms of the whole per-step decision at each size and dtype."""
-  rows = []
-  for B, K, V in sizes:
-    for dtype in DTYPES:
-      if clock.left() <= 0:
-        rows.append(dict(B=B, K=K, V=V, dtype=dtype, skipped="time budget spent"))
-        continue
-      state, step = decision_function(B, K)
-      logits = random_logits(B, K, V, dtype)
-      accepted = jnp.zeros((B, K), bool).at[:, 0].set(True)
-      labeled = jnp.zeros((B, K), bool).at[:, :2].set(True)
-      active = jnp.ones((B,), bool)
-      ms = median_ms(step, state, logits, accepted, labeled, active, repeats=repeats)
-      rows.append(dict(B=B, K=K, V=V, dtype=dtype, decision_ms=ms))
-      del logits
-  return rows
+
+  def measure(B, K, V, dtype):
+    state, step = decision_function(B, K)
+    logits = random_logits(B, K, V, dtype)
+    accepted = jnp.zeros((B, K), bool).at[:, 0].set(True)
+    labeled = jnp.zeros((B, K), bool).at[:, :2].set(True)
+    active = jnp.ones((B,), bool)
+    return dict(decision_ms=median_ms(step, state, logits, accepted, labeled, active,
+                                      repeats=repeats))
+
+  return each_size(sizes, clock, measure)
 
 
 # ------------------------------------------------------------------------ llama forward

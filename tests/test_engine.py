@@ -151,7 +151,7 @@ def test_unprofitable_drafting_is_skipped_and_output_unchanged(kind, mode):
       interval = min(2 * interval, 48)
       next_recheck = t + interval
   np.testing.assert_array_equal(drafted, want)
-  assert np.flatnonzero(want)[:3].tolist() == [0, 6, 18]
+  assert np.flatnonzero(want)[:2].tolist() == [0, 6]
   # Free drafting never closes the gate.
   free = make_cost_model(np.full(B + 1, 1e-3), 1.0 + 0.02 * np.arange(B * (K + 1) + 1))
   result = E.generate(engine, params, PROMPTS, max_new_tokens=MAX_NEW, key=fx.key(0),

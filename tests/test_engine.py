@@ -143,15 +143,15 @@ def test_unprofitable_drafting_is_skipped_and_output_unchanged(kind, mode):
   assert [c.tokens for c in result.completions] == want
   drafted = np.concatenate([i.drafting for i in result.infos])
   num_active = np.concatenate([i.active for i in result.infos])
-  interval, next_recheck, want = 6, 6, []
+  interval, next_recheck, expected = 6, 6, []
   for t, n in enumerate(num_active):
     recheck = t >= next_recheck and t % 3 == 0
-    want.append(t == 0 or recheck)
+    expected.append(t == 0 or recheck)
     if recheck and n > 0:  # a re-check with no active slot does not count
       interval = min(2 * interval, 48)
       next_recheck = t + interval
-  np.testing.assert_array_equal(drafted, want)
-  assert np.flatnonzero(want)[:2].tolist() == [0, 6]
+  np.testing.assert_array_equal(drafted, expected)
+  assert np.flatnonzero(expected)[:2].tolist() == [0, 6]
   # Free drafting never closes the gate.
   free = make_cost_model(np.full(B + 1, 1e-3), 1.0 + 0.02 * np.arange(B * (K + 1) + 1))
   result = E.generate(engine, params, PROMPTS, max_new_tokens=MAX_NEW, key=fx.key(0),

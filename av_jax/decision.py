@@ -5,7 +5,8 @@
                                sound=sound, drafting=drafting)
     state = decider.learn(state, features, accepted, labeled)      # labels -> estimator
 
-and `decider.drafts(state)`, the skip-drafting gate read before drafting. The engine step
+and `decider.draft_slots(state, active)`, the skip-drafting gate read before drafting
+(`decider.drafts(state)` is its batch view). The engine step
 (`av_jax.engine.core.step`), the synthetic simulator (`av_jax.simulate.run`), the
 one-call `decision_step` and the overhead benchmark (`benchmarks/overhead.py`) all run
 these verbs of a `Decider` built by `make_decider`; nothing else composes an estimator
@@ -61,18 +62,26 @@ class Decider(NamedTuple):
     return self.estimator.num_positions
 
   def init(self, batch_size: int | None = None) -> DecisionState:
-    """A fresh state; with `batch_size`, zero `[B, K]` features for `decision_step` and
-    every leaf its own buffer (so the state can be donated)."""
-    state = DecisionState(estimator=self.estimator.init(), planner=self.planner.init())
+    """A fresh state; with `batch_size` B, a planner state with per-slot gate verdicts
+    (`PlannerState.slot_pays [B]`), zero `[B, K]` features for `decision_step` and every
+    leaf its own buffer (so the state can be donated). Without it the gate is one
+    verdict for the whole batch."""
+    state = DecisionState(estimator=self.estimator.init(),
+                          planner=self.planner.init(batch_size))
     if batch_size is None:
       return state
     state = state._replace(
         features=jnp.zeros((batch_size, self.num_positions), jnp.float32))
     return jax.tree.map(jnp.copy, state)
 
+  def draft_slots(self, state: DecisionState, active: jax.typing.ArrayLike) -> jax.Array:
+    """`[B] bool`: which slots draft this step (`active`, unless the planner is gated:
+    then the active slots whose drafts paid at their last drafting step, plus a re-check
+    step's round-robin group; see `make_planner`). Reads earlier steps only."""
+    return self.planner.draft_slots(state.planner, active)
+
   def drafts(self, state: DecisionState) -> jax.Array:
-    """`[] bool`: whether this step should draft (always, unless the planner is gated
-    and drafting did not pay at the last step that drafted; see `make_planner`)."""
+    """`[] bool`, the batch view of `draft_slots`: whether any slot drafts this step."""
     return self.planner.should_draft(state.planner)
 
   def score(self, state: DecisionState, features: jax.typing.ArrayLike, *,
@@ -95,7 +104,8 @@ class Decider(NamedTuple):
   def keep_drafting(self, state: DecisionState, probs: jax.typing.ArrayLike,
                     drafted: jax.typing.ArrayLike, depth: jax.typing.ArrayLike, *,
                     active: jax.typing.ArrayLike,
-                    top1: jax.typing.ArrayLike | None = None) -> jax.Array:
+                    top1: jax.typing.ArrayLike | None = None,
+                    slots: jax.typing.ArrayLike | None = None) -> jax.Array:
     """`[B] bool`: whether each request drafts depth `depth + 1` (the planner's drafting
     stop, `PlannerConfig.draft_stop`; docs/algorithm.md section 10).
 
@@ -109,9 +119,11 @@ class Decider(NamedTuple):
       depth: int scalar, depths drafted so far (traced).
       active: `[B]` bool, slots decoding (and sound) this step.
       top1: `[B, K]` top-1 probability of each draft distribution (confidence stop).
+      slots: `[E] int32`, the slot of each row when the rows are a gathered subset of E
+        drafting slots (then `active` is those rows'); None: row b is slot b.
     """
     return self.planner.keep_drafting(state.planner, probs, drafted, depth, active=active,
-                                      top1=top1)
+                                      top1=top1, slots=slots)
 
   def plan(self, state: DecisionState, probs: jax.typing.ArrayLike, cost: CostModel, *,
            active: jax.typing.ArrayLike | None = None,
@@ -128,8 +140,10 @@ class Decider(NamedTuple):
       active: `[B]` bool, slots that are decoding (all when None).
       sound: `[B]` bool, slots whose draft logits were finite; the others verify nothing
         this step (a target-only step for them). All when None.
-      drafting: `[] bool`, whether this step drafted; a step that did not verifies
-        nothing and leaves the lagged budget and the gate as they were.
+      drafting: `[] bool` (every slot) or `[B] bool` (per slot, normally
+        `draft_slots`'s answer), which slots drafted this step; a slot that did not
+        verifies nothing, and a step on which none did leaves the lagged budget, tau and
+        the gate as they were.
       drafted: `[B, K]` bool, positions drafted (a prefix per slot; a drafting stop or a
         non-finite position ends it); None: all. Only drafted positions are ranked,
         allocated and verified, and the next budget and survival stop's threshold are
@@ -139,12 +153,9 @@ class Decider(NamedTuple):
     Returns:
       `(plan, new_state)`.
     """
-    if sound is not None:
-      B = jnp.shape(probs)[0]
-      active = jnp.asarray(sound) if active is None else jnp.asarray(active) & sound
-      _checks.shape("sound", jnp.asarray(sound), (B,), "B")
     plan, planner = self.planner.plan(state.planner, probs, cost, active=active,
-                                      drafting=drafting, drafted=drafted, top1=top1)
+                                      sound=sound, drafting=drafting, drafted=drafted,
+                                      top1=top1)
     return plan, state._replace(planner=planner)
 
   def learn(self, state: DecisionState, features: jax.typing.ArrayLike,

@@ -92,6 +92,12 @@ class NumpyDecision:
     state["planner.step"] = np.zeros((), np.int32)
     state["planner.drafting_pays"] = np.asarray(True)  # the decision always drafts
     state["planner.tau"] = np.zeros((), _F32)  # survival stop's threshold: no stop here
+    # The skip-drafting gate's fields, constant here (the decision is not gated).
+    every = self.config.planner.recheck_every or 4 * max(self.config.planner.explore_every, 1)
+    state["planner.slot_pays"] = np.ones((batch_size,), bool)
+    state["planner.recheck_interval"] = np.asarray(every, np.int32)
+    state["planner.next_recheck"] = np.asarray(every, np.int32)
+    state["planner.recheck_count"] = np.zeros((), np.int32)
     state["features"] = np.zeros((batch_size, self.config.num_positions), _F32)
     return state
 

@@ -21,6 +21,11 @@ default: ``"current"`` where that is exact, ``"lagged"`` otherwise.
 Exploration: every `explore_every` steps one active slot, chosen round-robin by the
 step counter (so independently of every draw), verifies all K positions. A pessimistic
 estimator that would verify nothing still receives labels at every depth and recovers.
+
+Skip-drafting gate (`skip_unprofitable_drafts`, docs/algorithm.md section 8): per slot.
+`draft_slots(state, active)` says which slots draft this step: those whose drafts paid at
+their last drafting step, plus, on a re-check step, a round-robin group of
+`recheck_slots` slots; `plan` then re-evaluates every slot that drafted.
 """
 
 from __future__ import annotations
@@ -36,8 +41,7 @@ from av_jax import stopping
 # The private ranking helpers serve the allocation over drafted positions only (a
 # position never drafted must neither be verified nor take budget: ranked -1).
 from av_jax.selection import (CostModel, _allocation, _budget, _rank, _ranked_survival,
-                              allocate, budget_and_allocation, check_probabilities,
-                              survival)
+                              allocate, check_cost_table, check_probabilities, survival)
 
 POLICIES = ("current", "lagged", "fixed", "none")
 # Drafting stops (docs/algorithm.md section 10): "none" drafts all K; "survival" is
@@ -57,8 +61,13 @@ class PlannerConfig:
   initial_budget: int | None = None  # lagged policy's first budget; None: everything
   skip_unprofitable_drafts: bool = False  # gate drafting on whether it paid (see
                                           # `make_planner`)
-  recheck_every: int | None = None  # while drafting does not pay, draft only every this
-                                    # many steps; None: 4 x explore_every
+  recheck_every: int | None = None  # re-check slots whose drafts did not pay every this
+                                    # many steps (a multiple of explore_every); None:
+                                    # 4 x explore_every
+  max_recheck_every: int | None = None  # re-checks that find nothing back off (doubling)
+                                        # up to this interval; None: 8 x recheck_every
+  recheck_slots: int | None = None  # slots a re-check step re-checks (round-robin);
+                                    # None: max(1, ceil(B / 8))
   draft_stop: str = "none"       # one of STOPS: when an autoregressive drafter stops
   stop_margin: float = 0.5       # survival stop: tau = margin * smallest admitted survival
   stop_min_depth: int = 1        # survival stop: every drafting request drafts this many
@@ -67,6 +76,11 @@ class PlannerConfig:
   def __post_init__(self):
     if self.explore_every < 0:
       raise ValueError(f"explore_every: expected >= 0, got {self.explore_every}")
+    for name in ("recheck_every", "max_recheck_every", "recheck_slots"):
+      value = getattr(self, name)
+      if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                or value < 1):
+        raise ValueError(f"{name}: expected None or an integer >= 1, got {value!r}")
     if self.draft_stop not in STOPS:
       raise ValueError(f"draft_stop: expected one of {STOPS}, got {self.draft_stop!r}")
     stopping.check_params(stopping.StopParams(self.stop_margin, self.stop_min_depth))
@@ -76,14 +90,28 @@ class PlannerConfig:
 
 
 class PlannerState(NamedTuple):
+  """The planner's state; fields after `tau` left None (a hand-built state) read as
+  `init()`'s values."""
   budget: jax.Array  # [] int32, budget for the next step (used by the lagged policy)
   step: jax.Array    # [] int32, steps planned so far (drives round-robin exploration)
-  # [] bool, whether drafting paid at the last step that drafted (see `should_draft`);
-  # always True unless the planner was built with `skip_unprofitable_drafts=True`.
+  # [] bool, whether drafting paid for some slot at its last drafting step (the batch
+  # view of `slot_pays`); always True unless the planner is gated.
   drafting_pays: jax.Array | bool = True
   # [] float32, survival stop's threshold for this step, from earlier steps only
   # (`av_jax.stopping`); 0 (nothing stops) until a step has planned.
   tau: jax.Array | float = 0.0
+  # [B] bool, whether drafting paid for the slot at its last drafting step (True
+  # initially); [1] for a state built by `init()` without `num_slots`: one verdict for
+  # the whole batch (the batch gate). Always True unless the planner is gated.
+  slot_pays: jax.Array | None = None
+  # [] int32, current re-check interval: `recheck_every`, doubled (up to
+  # `max_recheck_every`) after each re-check step on which no slot's drafts paid.
+  recheck_interval: jax.Array | None = None
+  # [] int32, step count of the next re-check step (the first exploration step at or
+  # after it re-checks).
+  next_recheck: jax.Array | None = None
+  # [] int32, re-check steps so far (advances the round-robin re-check group).
+  recheck_count: jax.Array | None = None
 
 
 class Plan(NamedTuple):
@@ -92,19 +120,22 @@ class Plan(NamedTuple):
   budget: jax.Array        # [] int32, budget the allocation used (before exploration),
                            # at most B * K
   explored: jax.Array      # [B] bool, slot verified all K for exploration this step
+  drafting: jax.Array | None = None  # [B] bool, active slots that drafted this step
 
 
 class Planner(NamedTuple):
-  init: Callable[[], PlannerState]
+  init: Callable[..., PlannerState]  # (num_slots=None) -> PlannerState
   plan: Callable[..., tuple[Plan, PlannerState]]
   policy: str
-  should_draft: Callable[[PlannerState], jax.Array]
+  should_draft: Callable[[PlannerState], jax.Array]  # batch view: [] bool, any slot drafts
   config: PlannerConfig
-  gated: bool  # `should_draft` can say False (skip_unprofitable_drafts took effect)
-  # (state, probs [B,K], drafted [B,K], depth, *, active, top1) -> [B] bool: whether each
-  # request drafts depth `depth + 1` (reads depths 1..depth only); see `make_planner`.
+  gated: bool  # `draft_slots` can leave a slot out (skip_unprofitable_drafts took effect)
+  # (state, probs [B,K], drafted [B,K], depth, *, active, top1, slots) -> [B] bool: whether
+  # each request drafts depth `depth + 1` (reads depths 1..depth only); see `make_planner`.
   keep_drafting: Callable[..., jax.Array] | None = None
   stop: str = "none"  # the drafting stop in effect (STOPS)
+  # (state, active [B] bool) -> [B] bool: which slots draft this step.
+  draft_slots: Callable[..., jax.Array] | None = None
 
 
 def exact_policy(*, drafter_kind: str, greedy: bool) -> str:
@@ -137,21 +168,40 @@ def make_planner(
     config: the hyper-parameters (`PlannerConfig()` when None):
       * `explore_every`: one slot verifies all K every this many steps; 0 disables.
       * `initial_budget`: lagged policy's budget at the first step (default: everything).
-      * `skip_unprofitable_drafts`: after a step whose best plan earns fewer tokens per
-        unit cost than a target-only step without drafting, `should_draft` says False
-        until a re-check step (every `recheck_every` steps, also an exploration step)
-        drafts, explores and re-evaluates (policies "current" and "lagged" with
-        exploration only). The decision uses only earlier steps, so it is as exact as the
-        lagged budget; the caller skips drafting and passes `drafting=False` to `plan`.
-      * `recheck_every`: while drafting does not pay, draft (and explore) only every this
-        many steps; a multiple of `explore_every`, default 4 x `explore_every`.
+      * `skip_unprofitable_drafts`: gate drafting per slot (policies "current" and
+        "lagged" with exploration only; docs/algorithm.md section 8). A slot drafts while
+        its drafts paid at its last drafting step (`PlannerState.slot_pays`, True
+        initially): its expected accepted drafts outweigh its share of the extra cost
+        of drafting, measured in tokens of a target-only step. A slot whose drafts did
+        not pay drafts again on a re-check step, when it is in that step's round-robin
+        group of `recheck_slots` slots. Re-check steps are exploration steps at least
+        `recheck_interval` steps apart; the interval doubles (up to
+        `max_recheck_every`) after a re-check on which no drafting slot paid and resets
+        to `recheck_every` when one did. Every decision reads earlier steps and the step
+        counter only, so it is as exact as the lagged budget. The caller drafts the
+        slots `draft_slots` names and passes them to `plan` as `drafting`.
+      * `recheck_every`: the re-check interval; a multiple of `explore_every`, default
+        4 x `explore_every`. `max_recheck_every`: its cap under back-off, a multiple of
+        `explore_every` >= `recheck_every`, default 8 x `recheck_every`.
+      * `recheck_slots`: slots per re-check (E), default max(1, ceil(B / 8)); the groups
+        are consecutive windows of E active slots (in slot order), so all R active slots
+        are re-checked within ceil(R / E) re-checks.
     policy: one of `POLICIES` (see the module docstring); use `exact_policy` to pick.
     **overrides: `PlannerConfig` fields replacing those of `config`.
 
   Returns:
-    `Planner(init, plan, policy, should_draft, config, gated)` with `plan(state, probs [B,K],
-    cost, *, active=None, drafting=True) -> (Plan, state)` and `should_draft(state) ->
-    [] bool`.
+    `Planner(init, plan, policy, should_draft, config, gated, keep_drafting, stop,
+    draft_slots)` with
+    * `init(num_slots=None) -> state`: with `num_slots` B, `slot_pays` is `[B]` (one
+      verdict per slot); without it `[1]`, one verdict for the whole batch (the batch
+      gate: every slot drafts or none does, and a re-check re-checks every slot).
+    * `draft_slots(state, active [B] bool) -> [B] bool`: the slots that draft this step
+      (`active` when not gated).
+    * `should_draft(state) -> [] bool`: the batch view, whether any slot drafts (it
+      ignores which slots are active).
+    * `plan(state, probs [B,K], cost, *, active=None, sound=None, drafting=True,
+      drafted=None, top1=None) -> (Plan, state)`; `drafting` is `[]` (every slot) or
+      `[B]` bool (the slots that drafted, normally `draft_slots`'s answer).
 
   Input checks of `plan`: `cost` must be a `CostModel` (ValueError otherwise); a
   `cost.verify_ms` shorter than `B (K + 1) + 1` entries warns at trace time (budgets
@@ -162,8 +212,10 @@ def make_planner(
 
   Example:
     >>> planner = make_planner(policy=exact_policy(drafter_kind="parallel", greedy=False))
+    >>> pstate = planner.init(B)
+    >>> drafting = planner.draft_slots(pstate, active)      # before drafting
     >>> plan, pstate = planner.plan(pstate, est.predict(estate, features), cost,
-    ...                             active=active)
+    ...                             active=active, drafting=drafting)
   """
   config = dataclasses.replace(config or PlannerConfig(), **overrides)
   if policy not in POLICIES:
@@ -174,32 +226,112 @@ def make_planner(
   gated = config.skip_unprofitable_drafts and adaptive and explore_every > 0
   if recheck_every is None:
     recheck_every = 4 * max(explore_every, 1)
-  if gated and (recheck_every < 1 or recheck_every % explore_every):
+  max_recheck_every = config.max_recheck_every
+  if max_recheck_every is None:
+    max_recheck_every = 8 * recheck_every
+  if gated and recheck_every % explore_every:
     raise ValueError(f"recheck_every: expected a positive multiple of explore_every="
                      f"{explore_every}, got {recheck_every}")
+  if gated and (max_recheck_every < recheck_every or max_recheck_every % explore_every):
+    raise ValueError(f"max_recheck_every: expected a multiple of explore_every="
+                     f"{explore_every} and >= recheck_every={recheck_every}, got "
+                     f"{max_recheck_every}")
   stop = config.draft_stop
   if stop == "survival" and not adaptive:
     raise ValueError(f"draft_stop: 'survival' needs an adaptive policy, got {policy!r}")
   early = stopping.make_early_stop(margin=config.stop_margin,
                                    min_depth=config.stop_min_depth)
 
-  def init() -> PlannerState:
+  def init(num_slots: int | None = None) -> PlannerState:
+    if num_slots is not None and (isinstance(num_slots, bool)
+                                  or not isinstance(num_slots, int) or num_slots < 1):
+      raise ValueError(f"num_slots: expected None or an integer >= 1, got {num_slots!r}")
     initial = config.initial_budget
     budget = _ALL if initial is None else int(initial)
-    return PlannerState(budget=jnp.asarray(budget, jnp.int32), step=jnp.zeros((), jnp.int32),
-                        drafting_pays=jnp.asarray(True), tau=jnp.zeros((), jnp.float32))
+    int32 = lambda x: jnp.asarray(x, jnp.int32)
+    return PlannerState(budget=int32(budget), step=int32(0), drafting_pays=jnp.asarray(True),
+                        tau=jnp.zeros((), jnp.float32),
+                        slot_pays=jnp.ones((1 if num_slots is None else num_slots,), bool),
+                        recheck_interval=int32(recheck_every),
+                        next_recheck=int32(recheck_every), recheck_count=int32(0))
+
+  def complete(state: PlannerState) -> PlannerState:
+    """`state` with None fields (a hand-built state) as `init()` sets them."""
+    fresh = init()
+    state = state._replace(**{k: getattr(fresh, k) for k in state._fields
+                              if getattr(state, k) is None})
+    return state._replace(slot_pays=jnp.reshape(jnp.asarray(state.slot_pays, bool), (-1,)))
+
+  def verdicts(state: PlannerState, B: int) -> jax.Array:
+    """`[B]` or `[1]` bool, `state.slot_pays` checked against B."""
+    pays = state.slot_pays
+    if pays.shape[0] not in (1, B):
+      raise ValueError(f"state.slot_pays: expected shape (1,) or (B,) = ({B},), got "
+                       f"{pays.shape}; build the state with init(num_slots=B)")
+    return pays
+
+  def rechecking(state: PlannerState) -> jax.Array:
+    """`[] bool`: whether this step is a re-check step (an exploration step)."""
+    if not gated:
+      return jnp.asarray(False)
+    return (state.step >= state.next_recheck) & (state.step % explore_every == 0)
+
+  def recheck_group(state: PlannerState, active: jax.Array) -> jax.Array:
+    """`[B] bool`, the active slots this step re-checks: on a re-check step, window
+    number `recheck_count` of E consecutive active slots (cyclically, in slot order);
+    every active slot with a `[1]` state."""
+    B = active.shape[0]
+    group = active & rechecking(state)
+    if verdicts(state, B).shape[0] == 1 and B > 1:
+      return group
+    E = config.recheck_slots or max(1, -(-B // 8))
+    rank = jnp.cumsum(active, dtype=jnp.int32) - 1  # among active slots
+    R = jnp.maximum(jnp.sum(active, dtype=jnp.int32), 1)
+    start = (state.recheck_count * E) % R
+    return group & ((rank - start) % R < E)
+
+  def draft_slots(state: PlannerState, active: jax.typing.ArrayLike) -> jax.Array:
+    """`[B] bool`: which slots draft this step, from earlier steps and the step counter.
+
+    Not gated: `active`. Gated: `active & (slot_pays | re-checked)`.
+    """
+    active = jnp.asarray(active)
+    _checks.rank("active", active, 1, "B")
+    _checks.boolean("active", active)
+    if not gated:
+      return active
+    state = complete(state)
+    return active & (verdicts(state, active.shape[0]) | recheck_group(state, active))
 
   def exploring(state: PlannerState) -> jax.Array:
     if explore_every > 0 and adaptive:
       return state.step % explore_every == 0
     return jnp.asarray(False)
 
-  def explored_slots(state: PlannerState, B: int, active: jax.Array) -> jax.Array:
-    """`[B]` bool, the slot that verifies all K this step (round-robin by step count)."""
-    if explore_every > 0 and adaptive:
-      slot = (state.step // explore_every) % B
-      return (jnp.arange(B) == slot) & exploring(state) & active
-    return jnp.zeros((B,), bool)
+  def explored_slots(state: PlannerState, candidates: jax.Array,
+                     slots: jax.Array | None = None) -> jax.Array:
+    """`[rows]` bool, the slot that verifies all K this step.
+
+    Ungated: slot `(step // explore_every) % B` if it is a candidate (active). Gated:
+    the first candidate (a drafting slot) at or after that slot, cyclically, so that
+    whenever some slot drafts on an exploration step one of them explores. `slots`
+    names each row's slot (rows are slots 0..B-1 when None).
+    """
+    rows = candidates.shape[0]
+    if not (explore_every > 0 and adaptive):
+      return jnp.zeros((rows,), bool)
+    if slots is None:
+      B, ids = rows, jnp.arange(rows)
+    else:
+      B, ids = int(state.slot_pays.shape[0]), jnp.asarray(slots)
+      if B == 1 and rows > 1:
+        raise ValueError("slots: the slot count is unknown to a state built without "
+                         "num_slots; build it with init(num_slots=B)")
+    first = (state.step // explore_every) % B
+    if not gated:
+      return (ids == first) & exploring(state) & candidates
+    key = jnp.where(candidates, (ids - first) % B, B)
+    return candidates & (key == jnp.min(key)) & exploring(state)
 
   def confident_prefix(top1, drafted):
     """`[B]` int32, leading drafted positions whose top-1 probability is >= T."""
@@ -207,24 +339,32 @@ def make_planner(
     return jnp.sum(jnp.cumprod(ok, axis=1), axis=1, dtype=jnp.int32)
 
   def keep_drafting(state: PlannerState, probs, drafted, depth, *, active,
-                    top1=None) -> jax.Array:
+                    top1=None, slots=None) -> jax.Array:
     """Whether each request drafts depth `depth + 1`, from depths 1..`depth` only.
 
     "survival": survival stop with this step's `tau` (from earlier steps) and the
     exploring slot always continuing. "confidence": batch level, every active request
     continues while some request's drafts so far all have top-1 >= T (`top1 [B, K]`
     required). "none": every drafting request continues.
+
+    Rows may be a gathered subset of the slots: `slots [E] int32` names each row's slot
+    (the exploring slot is then found by slot identity); with a gated planner `active`
+    must then be the rows that draft. None: row b is slot b.
     """
     probs = jnp.asarray(probs, jnp.float32)
     B, K = probs.shape
     drafted = jnp.asarray(drafted) & (jnp.arange(K)[None] < depth)  # nothing deeper read
     active = jnp.asarray(active)
+    if slots is not None:
+      slots = jnp.asarray(slots)
+      _checks.shape("slots", slots, (B,), "E")
+      _checks.integer("slots", slots)
     column = jnp.take(drafted, jnp.clip(depth - 1, 0, K - 1), axis=1)
     if stop == "survival":
       surv = jnp.where(drafted, survival(probs), 0.0)
+      explored = explored_slots(complete(state), active, slots)
       return early.keep_drafting(stopping.StopState(tau=jnp.asarray(state.tau, jnp.float32)),
-                                 surv, drafted, depth, explored_slots(state, B, active),
-                                 active=active)
+                                 surv, drafted, depth, explored, active=active)
     if stop == "confidence":
       if top1 is None:
         raise ValueError("top1: required by the confidence stop, got None")
@@ -233,14 +373,17 @@ def make_planner(
     return active & column
 
   def should_draft(state: PlannerState) -> jax.Array:
-    """Whether this step should draft: always, unless drafting did not pay at the last
-    step that drafted and this is not a re-check step."""
+    """The batch view of `draft_slots`: whether any slot drafts this step (always,
+    unless the planner is gated, no slot's drafts paid at its last drafting step, and
+    this is not a re-check step). It ignores which slots are active."""
     if not gated:
       return jnp.asarray(True)
-    return jnp.asarray(state.drafting_pays) | (state.step % recheck_every == 0)
+    state = complete(state)
+    return jnp.any(state.slot_pays) | rechecking(state)
 
   def plan(state: PlannerState, probs: jax.typing.ArrayLike, cost: CostModel, *,
            active: jax.typing.ArrayLike | None = None,
+           sound: jax.typing.ArrayLike | None = None,
            drafting: jax.typing.ArrayLike = True,
            drafted: jax.typing.ArrayLike | None = None,
            top1: jax.typing.ArrayLike | None = None) -> tuple[Plan, PlannerState]:
@@ -251,11 +394,34 @@ def make_planner(
     probs = jnp.asarray(probs, jnp.float32)
     _checks.rank("probs", probs, 2, "BK")
     B, K = probs.shape
+    state = complete(state)
+    pays_before = verdicts(state, B)
     if active is None:
       active = jnp.ones((B,), bool)
     active = jnp.asarray(active)
     _checks.shape("active", active, (B,), "B")
     _checks.boolean("active", active)
+    drafting = jnp.asarray(drafting)
+    if drafting.ndim:
+      _checks.shape("drafting", drafting, (B,), "B")
+    _checks.boolean("drafting", drafting)
+    drafting = jnp.broadcast_to(drafting, (B,))
+    # Exploration candidates use `active` before `sound` (this step's draft logits), as
+    # `keep_drafting` sees them while drafting.
+    explored = explored_slots(state, active & drafting if gated else active)
+    if sound is not None:
+      sound = jnp.asarray(sound)
+      _checks.shape("sound", sound, (B,), "B")
+      _checks.boolean("sound", sound)
+      explored = explored & sound
+    drafted_slots = active & drafting  # reported in the plan (before `sound`)
+    if sound is not None:
+      active = active & sound  # an unsound slot is a target-only slot this step
+    planned = active & drafting  # D: active slots whose drafts the plan may verify
+    # Whether this step drafted at all: the lagged budget and tau learn only from those.
+    any_drafted = jnp.any(drafting)
+    R = jnp.sum(active, dtype=jnp.int32)
+    d = jnp.sum(planned, dtype=jnp.int32)
     surv = survival(probs)
     next_budget = state.budget
     tau = state.tau
@@ -263,25 +429,24 @@ def make_planner(
       drafted = jnp.asarray(drafted)
       _checks.shape("drafted", drafted, (B, K), "BK")
       _checks.boolean("drafted", drafted)
-    if drafted is not None and policy in ("current", "lagged"):
-      # Positions never drafted are ranked -1: no budget, no verification, and the next
-      # budget (and tau) describe the drafted positions only (docs/algorithm.md 10).
-      ranking = _rank(jnp.where(drafted, _ranked_survival(surv, active), -1.0))
-      optimal = _budget(ranking, cost, jnp.sum(active, dtype=jnp.int32), K)
+    if policy in ("current", "lagged"):
+      if drafted is None:
+        check_cost_table(cost, B, K)
+      usable = planned[:, None] if drafted is None else planned[:, None] & drafted
+      # Positions never drafted, and slots that did not draft, are ranked -1: no budget,
+      # no verification; the next budget (and tau) describe the drafted positions only
+      # (docs/algorithm.md 10). Every active slot still verifies its one token.
+      ranking = _rank(jnp.where(usable, _ranked_survival(surv, active), -1.0))
+      optimal = _budget(ranking, cost, R, K, num_drafting=d)
       budget = state.budget if policy == "lagged" else optimal
       mask = _allocation(ranking, budget, B, K)
-      if policy == "lagged":
-        next_budget = jnp.where(jnp.asarray(drafting), optimal, state.budget)
-      if stop == "survival":  # tau for the NEXT step, from this step's optimal budget
-        new_tau = early.update(stopping.StopState(tau=jnp.asarray(tau, jnp.float32)), surv,
-                               drafted, optimal, active=active).tau
-        tau = jnp.where(jnp.asarray(drafting), new_tau, tau)
-    elif policy in ("current", "lagged"):
-      # One sort serves both the budget and the allocation.
-      optimal, budget, mask = budget_and_allocation(
-          surv, cost, active=active, budget=state.budget if policy == "lagged" else None)
       if policy == "lagged":  # a step that did not draft has nothing to plan from
-        next_budget = jnp.where(jnp.asarray(drafting), optimal, state.budget)
+        next_budget = jnp.where(any_drafted, optimal, state.budget)
+      if stop == "survival" and drafted is not None:
+        # tau for the NEXT step, from this step's optimal budget over the drafted slots
+        new_tau = early.update(stopping.StopState(tau=jnp.asarray(tau, jnp.float32)), surv,
+                               drafted & drafting[:, None], optimal, active=active).tau
+        tau = jnp.where(any_drafted, new_tau, tau)
     else:
       budget = jnp.asarray(B * K if policy == "fixed" else 0, jnp.int32)
       mask = allocate(surv, budget, active=active)
@@ -295,25 +460,57 @@ def make_planner(
         count = jnp.clip(longest, 1, K)
         mask = active[:, None] & (jnp.arange(K)[None] < count)
         budget = jnp.sum(mask & seen, dtype=jnp.int32)
-    explored = explored_slots(state, B, active)
-    pays_next = jnp.asarray(state.drafting_pays)
-    drafting = jnp.asarray(drafting)
+    explored = explored & active
+    new_state = state._replace(budget=next_budget, step=state.step + 1, tau=tau,
+                               drafting_pays=jnp.asarray(state.drafting_pays))
     if gated:
-      # Tokens per unit cost of the chosen plan against a step that does not draft.
-      R = jnp.sum(active, dtype=jnp.int32)
-      n = jnp.sum(mask, dtype=jnp.int32)
-      gain = R + jnp.sum(jnp.where(mask, surv, 0.0))
-      pays = gain * cost.verify_cost(R) > R * (cost.draft_cost(R) + cost.verify_cost(R + n))
-      pays_next = jnp.where(drafting, pays | (R == 0), pays_next)
-    mask = (mask | explored[:, None]) & drafting
+      new_state = _gate_update(state, new_state, pays_before, planned, mask, surv, cost,
+                               R=R, d=d)
+    mask = (mask | explored[:, None]) & drafting[:, None]
     if drafted is not None:  # verify only what was drafted (a prefix per slot)
       mask = mask & drafted
     explored = explored & drafting
-    new_state = PlannerState(budget=next_budget, step=state.step + 1, drafting_pays=pays_next,
-                             tau=tau)
     plan_ = Plan(num_verified=jnp.sum(mask, axis=-1, dtype=jnp.int32), mask=mask,
-                 budget=jnp.minimum(budget, B * K), explored=explored)
+                 budget=jnp.minimum(budget, B * K), explored=explored,
+                 drafting=drafted_slots)
     return plan_, new_state
 
+  def _gate_update(state, new_state, pays_before, planned, mask, surv, cost, *, R, d):
+    """The gate's state after a step: per-slot verdicts and the re-check back-off.
+
+    Slot b of D (active, drafted) pays iff g_b d > rho (C - verify_cost(R)), with g_b
+    the expected accepted drafts of b's verified positions, rho = R / verify_cost(R)
+    the tokens per unit cost of a target-only step and C = draft_cost(d) +
+    verify_cost(R + n) this step's cost (docs/algorithm.md section 8); exploration's
+    extra positions are not part of n and g. A `[1]` state judges D as one slot (the
+    batch rule (R + sum_b g_b) / C > rho).
+    """
+    n = jnp.sum(mask, dtype=jnp.int32)  # the plan before exploration
+    g = jnp.sum(jnp.where(mask, surv, 0.0), axis=1)  # [B]
+    base = cost.verify_cost(R)
+    step_cost = cost.draft_cost(d) + cost.verify_cost(R + n)
+    if pays_before.shape[0] == 1 and planned.shape[0] > 1:
+      gain = R + jnp.sum(jnp.where(mask, surv, 0.0))
+      pays = (gain * base > R * step_cost)[None]
+      judged = (d > 0)[None]
+    else:
+      pays = g * d.astype(jnp.float32) * base > R * (step_cost - base)
+      judged = planned
+    slot_pays = jnp.where(judged, pays, pays_before)
+    # Back-off: a re-check step on which some slot drafted either found a slot whose
+    # drafts pay (the interval resets) or not (it doubles, capped); one on which no slot
+    # drafted does not count (the next exploration step re-checks).
+    counted = rechecking(state) & (d > 0)
+    found = jnp.any(judged & pays)
+    interval = jnp.where(found, jnp.int32(recheck_every),
+                         jnp.minimum(2 * state.recheck_interval, max_recheck_every))
+    interval = jnp.where(counted, interval, state.recheck_interval).astype(jnp.int32)
+    return new_state._replace(
+        slot_pays=slot_pays, drafting_pays=jnp.any(slot_pays),
+        recheck_interval=interval,
+        next_recheck=jnp.where(counted, state.step + interval, state.next_recheck),
+        recheck_count=state.recheck_count + counted.astype(jnp.int32))
+
   return Planner(init=init, plan=plan, policy=policy, should_draft=should_draft,
-                 config=config, gated=gated, keep_drafting=keep_drafting, stop=stop)
+                 config=config, gated=gated, keep_drafting=keep_drafting, stop=stop,
+                 draft_slots=draft_slots)

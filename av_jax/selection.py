@@ -208,11 +208,14 @@ def _rank(ranked: jax.Array) -> _Ranking:
   return _Ranking(flat=flat, sorted_desc=flat[order], rank=rank)
 
 
-def _budget(ranking: _Ranking, cost: CostModel, num_active: jax.Array, K: int) -> jax.Array:
+def _budget(ranking: _Ranking, cost: CostModel, num_active: jax.Array, K: int, *,
+            num_drafting: jax.Array | None = None) -> jax.Array:
+  # `num_drafting`: slots that drafted (the planner's per-slot gate), which set the
+  # drafting cost; every active slot still verifies one token. None: all active drafted.
   n = jnp.arange(ranking.flat.shape[0] + 1)
   gains = jnp.cumsum(jnp.maximum(ranking.sorted_desc, 0.0))
   expected = num_active + jnp.concatenate([jnp.zeros((1,)), gains])
-  draft = cost.draft_cost(num_active)
+  draft = cost.draft_cost(num_active if num_drafting is None else num_drafting)
   tokens = num_active + n
   verify = cost.verify_cost(tokens)
   throughput = expected / jnp.maximum(draft + verify, 1e-12)

@@ -47,6 +47,13 @@ class TorchDecision:
     state["planner.budget"] = torch.tensor(_ALL, dtype=torch.int32)
     state["planner.step"] = torch.zeros((), dtype=torch.int32)
     state["planner.drafting_pays"] = torch.tensor(True)  # the decision always drafts
+    state["planner.tau"] = torch.zeros((), dtype=_F32)  # survival stop's threshold: no stop
+    # The skip-drafting gate's fields, constant here (the decision is not gated).
+    every = self.config.planner.recheck_every or 4 * max(self.config.planner.explore_every, 1)
+    state["planner.slot_pays"] = torch.ones(batch_size, dtype=torch.bool)
+    state["planner.recheck_interval"] = torch.tensor(every, dtype=torch.int32)
+    state["planner.next_recheck"] = torch.tensor(every, dtype=torch.int32)
+    state["planner.recheck_count"] = torch.zeros((), dtype=torch.int32)
     state["features"] = torch.zeros(batch_size, self.config.num_positions, dtype=_F32)
     return state
 

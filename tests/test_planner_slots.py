@@ -1,0 +1,368 @@
+"""The per-slot skip-drafting gate of `av_jax.planner` (docs/algorithm.md section 8).
+
+Which slots draft (`draft_slots`) is a function of the planner state and the active set
+only; the per-slot pay rule matches a hand (NumPy) computation; re-checks back off,
+cap and reset; the round-robin re-check groups cover every active slot; the gated step
+runs jitted and not, without retracing; `keep_drafting` on a gathered subset of rows
+equals the full batch restricted to them; the scalar `drafting` of older callers still
+works.
+"""
+
+import math
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from absl.testing import parameterized
+
+import av_jax
+
+B, K = 8, 4
+
+
+def _planner(**kw):
+  settings = dict(policy="current", explore_every=4, skip_unprofitable_drafts=True,
+                  recheck_every=4)
+  settings.update(kw)
+  return av_jax.make_planner(**settings)
+
+
+def _step_cost(B=B, K=K, draft=(0.05, 0.01)):
+  """Step-shaped verification (1.0 up to B tokens, 1.3 up to 3B, 2.0 beyond), affine
+  drafting."""
+  tokens = np.arange(B * (K + 1) + 1)
+  verify = np.where(tokens <= B, 1.0, np.where(tokens <= 3 * B, 1.3, 2.0))
+  return av_jax.make_cost_model(draft[0] + draft[1] * np.arange(B + 1), verify)
+
+
+def _flat_cost(B=B, K=K):
+  """Verification free beyond the first token: every position is verified."""
+  return av_jax.make_cost_model(0.05 + 0.01 * np.arange(B + 1), np.ones(B * (K + 1) + 1))
+
+
+def _dear_cost(B=B, K=K):
+  return av_jax.make_cost_model(np.full(B + 1, 100.0), 1.0 + 0.1 * np.arange(B * (K + 1) + 1))
+
+
+def _free_cost(B=B, K=K):
+  return av_jax.make_cost_model(np.full(B + 1, 1e-3), 1.0 + 1e-3 * np.arange(B * (K + 1) + 1))
+
+
+def _half_probs(good=0.9, bad=0.05):
+  return jnp.asarray(np.where(np.arange(B)[:, None] < B // 2, good, bad) * np.ones((B, K)),
+                     jnp.float32)
+
+
+def _reference_pays(probs, cost, active, drafting):
+  """The pay rule in NumPy float64: the optimal plan over drafting slots, then
+  g_b d > rho (C - verify_cost(R)) per slot (docs/algorithm.md section 8)."""
+  probs, active, drafting = map(np.asarray, (probs, active, drafting))
+  draft_ms, verify_ms = (np.asarray(t, np.float64) for t in (cost.draft_ms, cost.verify_ms))
+  surv = np.cumprod(probs.astype(np.float64), axis=1)
+  D = active & drafting
+  R, d = int(active.sum()), int(D.sum())
+  entries = sorted(((-surv[b, i], i, b) for b in range(B) for i in range(K) if D[b]))
+  best, best_n = -np.inf, 0
+  for n in range(len(entries) + 1):
+    gain = R + sum(-e[0] for e in entries[:n])
+    value = gain / (draft_ms[d] + verify_ms[R + n])
+    if value > best + 1e-12:
+      best, best_n = value, n
+  mask = np.zeros((B, K), bool)
+  for _, i, b in entries[:best_n]:
+    mask[b, i] = True
+  g = np.where(mask, surv, 0.0).sum(axis=1)
+  rho = R / verify_ms[R]
+  C = draft_ms[d] + verify_ms[R + best_n]
+  return D & (g * d > rho * (C - verify_ms[R])), mask
+
+
+# ----------------------------------------------------------------------------------------
+# The pay rule.
+
+
+@pytest.mark.parametrize("cost_fn", [_step_cost, _flat_cost])
+def test_pay_rule_matches_hand_computation(cost_fn):
+  """Half the slots accept ~0.9 of their drafts, half ~0.05: the 0.9 slots pay, the 0.05
+  slots do not, with step-shaped costs (where the plan leaves the 0.05 slots out) and
+  with flat verification (where they are verified and still do not pay)."""
+  planner, cost = _planner(), cost_fn()
+  state = planner.init(B)._replace(step=jnp.int32(1))  # not an exploration step
+  probs, active = _half_probs(), jnp.ones((B,), bool)
+  drafting = planner.draft_slots(state, active)
+  np.testing.assert_array_equal(drafting, np.ones(B, bool))  # all paid initially
+  plan, new = planner.plan(state, probs, cost, active=active, drafting=drafting)
+  want, mask = _reference_pays(probs, cost, active, drafting)
+  np.testing.assert_array_equal(plan.mask, mask)
+  np.testing.assert_array_equal(new.slot_pays, want)
+  np.testing.assert_array_equal(new.slot_pays, np.arange(B) < B // 2)
+  assert bool(new.drafting_pays)
+  # The next step drafts only the slots that paid.
+  np.testing.assert_array_equal(planner.draft_slots(new, active), np.arange(B) < B // 2)
+  if cost_fn is _flat_cost:  # the 0.05 slots were verified, yet did not pay
+    assert plan.mask[B - 1].all()
+
+
+def test_pay_rule_of_a_subset_and_unjudged_slots_keep_their_verdict():
+  """Only the slots that drafted are judged (against draft_cost(d)); the others keep
+  their verdict; the budget ranks only drafted slots' positions."""
+  planner, cost = _planner(), _flat_cost()
+  rng = np.random.default_rng(3)
+  probs = jnp.asarray(rng.uniform(0.0, 1.0, (B, K)), jnp.float32)
+  active = jnp.asarray(rng.random(B) < 0.8)
+  drafting = jnp.asarray([True, False] * (B // 2))
+  previous = jnp.asarray(rng.random(B) < 0.5)
+  state = planner.init(B)._replace(step=jnp.int32(1), slot_pays=previous)
+  plan, new = planner.plan(state, probs, cost, active=active, drafting=drafting)
+  want, mask = _reference_pays(probs, cost, active, drafting)
+  judged = np.asarray(active & drafting)
+  np.testing.assert_array_equal(new.slot_pays, np.where(judged, want, previous))
+  np.testing.assert_array_equal(plan.mask, mask)
+  assert not np.asarray(plan.mask)[~judged].any()
+  np.testing.assert_array_equal(plan.drafting, active & drafting)
+
+
+def test_batch_state_is_the_batch_rule():
+  """A `[1]` state (init() without num_slots) judges the batch as one slot: the rule
+  `(R + sum g) / C > R / verify_cost(R)` of the batch gate."""
+  planner = _planner()
+  for cost, probs, want in ((_step_cost(), _half_probs(), True),
+                            (_dear_cost(), _half_probs(), False)):
+    state = planner.init()._replace(step=jnp.int32(1))
+    assert state.slot_pays.shape == (1,)
+    plan, new = planner.plan(state, probs, cost, drafting=planner.should_draft(state))
+    assert new.slot_pays.shape == (1,)
+    R = B
+    gain = R + float(jnp.sum(jnp.where(plan.mask, av_jax.survival(probs), 0.0)))
+    n = int(plan.mask.sum())
+    batch = gain / (float(cost.draft_cost(R)) + float(cost.verify_cost(R + n))) > (
+        R / float(cost.verify_cost(R)))
+    assert bool(new.slot_pays[0]) == batch == want
+
+
+# ----------------------------------------------------------------------------------------
+# Exactness: drafting decisions read earlier steps only.
+
+
+def test_draft_slots_do_not_depend_on_this_steps_probabilities():
+  planner, cost = _planner(), _step_cost()
+  state = planner.init(B)._replace(step=jnp.int32(8), slot_pays=jnp.arange(B) % 3 == 0)
+  active = jnp.arange(B) != 5
+  before = planner.draft_slots(state, active)
+  rng = np.random.default_rng(0)
+  for _ in range(3):
+    probs = jnp.asarray(rng.uniform(0.0, 1.0, (B, K)), jnp.float32)
+    plan, _ = planner.plan(state, probs, cost, active=active, drafting=before)
+    np.testing.assert_array_equal(planner.draft_slots(state, active), before)
+    np.testing.assert_array_equal(plan.drafting, before)
+    # Slots that did not draft verify nothing, whatever their probabilities.
+    assert not np.asarray(plan.mask)[~np.asarray(before)].any()
+
+
+# ----------------------------------------------------------------------------------------
+# Re-checks: back-off and round-robin groups.
+
+
+def _run(planner, state, costs, probs, active):
+  """Drives `draft_slots` + `plan`; returns the per-step drafting masks and states."""
+  drafted, states = [], []
+  for cost in costs:
+    drafting = planner.draft_slots(state, active)
+    _, state = planner.plan(state, probs, cost, active=active, drafting=drafting)
+    drafted.append(np.asarray(drafting))
+    states.append(state)
+  return np.stack(drafted), states
+
+
+def test_backoff_doubles_caps_and_resets():
+  Bs = 4
+  planner = _planner(explore_every=2, recheck_every=2, max_recheck_every=8)
+  probs, active = jnp.full((Bs, K), 0.9), jnp.ones((Bs,), bool)
+  costs = [_dear_cost(Bs)] * 16 + [_free_cost(Bs)] * 13
+  drafted, states = _run(planner, planner.init(Bs), costs, probs, active)
+  intervals = [int(s.recheck_interval) for s in states]
+  # Step 0 drafts every slot (all paid initially) and none pays; re-checks at steps 2, 6
+  # and 14 find nothing: the interval doubles 2 -> 4 -> 8 and stays at the cap.
+  assert np.flatnonzero(drafted.any(axis=1)).tolist()[:4] == [0, 2, 6, 14]
+  assert drafted[0].all() and not drafted[1].any()
+  assert intervals[2] == 4 and intervals[6] == 8 and intervals[14] == 8
+  # One slot per re-check (E = ceil(4 / 8) = 1), round-robin: slots 0, 1, 2.
+  assert [int(np.flatnonzero(drafted[t])[0]) for t in (2, 6, 14)] == [0, 1, 2]
+  # Drafting becomes free at step 16: the re-check at step 22 (slot 3) pays, the interval
+  # resets, and that slot drafts on every later step while the others are re-checked
+  # every recheck_every steps.
+  assert int(states[21].recheck_interval) == 8 and int(states[22].recheck_interval) == 2
+  assert drafted[22].tolist() == [False, False, False, True]
+  assert drafted[23:, 3].all()
+  assert drafted[24].tolist() == [True, False, False, True]
+  assert drafted[26].tolist() == [True, True, False, True]
+  assert drafted[28].all() and bool(states[-1].slot_pays.all())
+
+
+def test_recheck_without_active_slots_does_not_count():
+  planner = _planner(explore_every=2, recheck_every=2)
+  state = planner.init(B)._replace(step=jnp.int32(4), next_recheck=jnp.int32(4),
+                                   slot_pays=jnp.zeros((B,), bool))
+  idle = jnp.zeros((B,), bool)
+  _, new = planner.plan(state, _half_probs(), _dear_cost(), active=idle,
+                        drafting=planner.draft_slots(state, idle))
+  assert int(new.recheck_count) == 0 and int(new.next_recheck) == 4
+  assert int(new.recheck_interval) == 2
+
+
+@pytest.mark.parametrize("Bs,E,inactive", [(8, None, ()), (10, 3, ()), (10, 3, (1, 4, 5)),
+                                          (7, 2, (6,)), (5, 8, ())])
+def test_round_robin_rechecks_cover_every_active_slot(Bs, E, inactive):
+  planner = _planner(recheck_slots=E)
+  active = np.ones(Bs, bool)
+  active[list(inactive)] = False
+  R = int(active.sum())
+  E = E or max(1, math.ceil(Bs / 8))
+  covered = np.zeros(Bs, bool)
+  closed = planner.init(Bs)._replace(slot_pays=jnp.zeros((Bs,), bool),
+                                     next_recheck=jnp.int32(0))
+  for count in range(math.ceil(R / E)):
+    state = closed._replace(recheck_count=jnp.int32(count), step=jnp.int32(4 * count))
+    group = np.asarray(planner.draft_slots(state, jnp.asarray(active)))
+    assert group.sum() == min(E, R) and not group[~active].any()
+    covered |= group
+  np.testing.assert_array_equal(covered, active)
+  # Not a re-check step (not an exploration step): closed slots do not draft.
+  off = closed._replace(step=jnp.int32(1))
+  assert not planner.draft_slots(off, jnp.asarray(active)).any()
+
+
+def test_exploration_falls_on_a_drafting_slot():
+  """Gated: the exploring slot is the first drafting slot at or after the round-robin
+  slot, so a re-check explores one of the re-checked slots."""
+  planner = _planner(explore_every=2, recheck_every=2, recheck_slots=2)
+  state = planner.init(B)._replace(step=jnp.int32(2), next_recheck=jnp.int32(2),
+                                   slot_pays=jnp.zeros((B,), bool),
+                                   recheck_count=jnp.int32(2))
+  active = jnp.ones((B,), bool)
+  drafting = planner.draft_slots(state, active)
+  assert np.flatnonzero(drafting).tolist() == [4, 5]
+  plan, _ = planner.plan(state, jnp.full((B, K), 0.01), _dear_cost(), active=active,
+                         drafting=drafting)
+  assert np.flatnonzero(plan.explored).tolist() == [4]  # round-robin slot 1 -> next: 4
+  assert int(plan.num_verified[4]) == K
+  assert not np.asarray(plan.num_verified)[~np.asarray(drafting)].any()
+
+
+# ----------------------------------------------------------------------------------------
+# Jit, traces, gathered rows, old callers.
+
+
+class GatedStepTest(parameterized.TestCase):
+
+  @chex.variants(with_jit=True, without_jit=True)
+  @parameterized.parameters("current", "lagged")
+  def test_gated_steps_jitted_and_not_agree(self, policy):
+    planner = _planner(policy=policy, explore_every=2, recheck_every=2)
+
+    def step(state, probs, cost, active):
+      drafting = planner.draft_slots(state, active)
+      plan, state = planner.plan(state, probs, cost, active=active, drafting=drafting)
+      return plan, state
+
+    run = self.variant(step)
+    rng = np.random.default_rng(1)
+    state = eager = planner.init(B)
+    for t in range(6):
+      probs = jnp.asarray(rng.uniform(0.0, 1.0, (B, K)), jnp.float32)
+      active = jnp.asarray(rng.random(B) < 0.9)
+      cost = _step_cost() if t % 2 else _dear_cost()
+      plan, state = run(state, probs, cost, active)
+      eager_plan, eager = step(eager, probs, cost, active)
+      chex.assert_trees_all_equal(plan, eager_plan)
+      chex.assert_trees_all_equal(state, eager)
+
+
+def test_gated_step_never_retraces():
+  planner = _planner(explore_every=2, recheck_every=2)
+
+  @jax.jit
+  @chex.assert_max_traces(n=1)
+  def step(state, probs, cost, active):
+    drafting = planner.draft_slots(state, active)
+    return planner.plan(state, probs, cost, active=active, drafting=drafting)
+
+  chex.clear_trace_counter()
+  rng = np.random.default_rng(2)
+  state = planner.init(B)
+  for t in range(8):
+    probs = jnp.asarray(rng.uniform(0.0, 1.0, (B, K)), jnp.float32)
+    cost = (_step_cost, _dear_cost, _free_cost)[t % 3]()
+    _, state = step(state, probs, cost, jnp.asarray(rng.random(B) < 0.9))
+  assert int(state.step) == 8
+
+
+@pytest.mark.parametrize("gated", [True, False])
+def test_keep_drafting_on_gathered_rows_equals_full_batch(gated):
+  planner = _planner(policy="lagged", draft_stop="survival", explore_every=2,
+                     skip_unprofitable_drafts=gated)
+  rng = np.random.default_rng(4)
+  probs = jnp.asarray(rng.uniform(0.3, 1.0, (B, K)), jnp.float32)
+  rows = np.array([0, 3, 6, 7])  # the drafting slots, gathered
+  drafting = np.zeros(B, bool)
+  drafting[rows] = True
+  for step in (2, 4, 6, 12, 14):  # exploration steps whose round-robin slot is 1, 2, 3, 6, 7
+    state = planner.init(B)._replace(step=jnp.int32(step), tau=jnp.float32(0.6))
+    for depth in range(1, K):
+      drafted = jnp.asarray(np.arange(K)[None] < depth) & jnp.asarray(drafting)[:, None]
+      full = planner.keep_drafting(state, probs, drafted, depth,
+                                   active=jnp.asarray(drafting))
+      sub = planner.keep_drafting(state, probs[rows], drafted[rows], depth,
+                                  active=jnp.ones(len(rows), bool),
+                                  slots=jnp.asarray(rows, jnp.int32))
+      np.testing.assert_array_equal(sub, np.asarray(full)[rows])
+  with pytest.raises(ValueError, match="slots"):  # a [1] state does not know B
+    planner.keep_drafting(planner.init(), probs[rows], drafted[rows], 1,
+                          active=jnp.ones(len(rows), bool), slots=jnp.asarray(rows))
+
+
+def test_scalar_drafting_still_works():
+  planner, cost = _planner(), _step_cost()
+  probs = _half_probs()
+  for init in (lambda: planner.init(), lambda: planner.init(B)):
+    state = init()._replace(step=jnp.int32(1))
+    scalar, s1 = planner.plan(state, probs, cost, drafting=True)
+    vector, s2 = planner.plan(state, probs, cost, drafting=jnp.ones((B,), bool))
+    chex.assert_trees_all_equal((scalar, s1), (vector, s2))
+    none, s3 = planner.plan(state, probs, cost, drafting=False)
+    assert int(none.num_verified.sum()) == 0
+    chex.assert_trees_all_equal(s3.slot_pays, state.slot_pays)
+    assert int(s3.budget) == int(state.budget)
+  # An ungated planner ignores the gate: every active slot drafts, verdicts stay True.
+  plain = av_jax.make_planner(policy="current", explore_every=4)
+  active = jnp.arange(B) < 5
+  np.testing.assert_array_equal(plain.draft_slots(plain.init(B), active), active)
+  _, s = plain.plan(plain.init(B), probs, _dear_cost(), active=active)
+  assert bool(s.slot_pays.all()) and bool(plain.should_draft(s))
+
+
+def test_bad_inputs_name_the_argument():
+  planner = _planner()
+  with pytest.raises(ValueError, match="recheck_slots"):
+    _planner(recheck_slots=0)
+  with pytest.raises(ValueError, match="max_recheck_every"):
+    _planner(max_recheck_every=6)  # not a multiple of explore_every = 4
+  with pytest.raises(ValueError, match="num_slots"):
+    planner.init(0)
+  with pytest.raises(ValueError, match="slot_pays"):
+    planner.plan(planner.init(3), _half_probs(), _step_cost())
+  with pytest.raises(ValueError, match="drafting"):
+    planner.plan(planner.init(B), _half_probs(), _step_cost(), drafting=jnp.ones((3,), bool))
+
+
+def test_decider_passes_batch_size_and_slots():
+  decider = av_jax.make_decider(K, policy="current",
+                                planner=av_jax.PlannerConfig(skip_unprofitable_drafts=True))
+  state = decider.init(B)
+  assert state.planner.slot_pays.shape == (B,)
+  assert decider.init().planner.slot_pays.shape == (1,)
+  active = jnp.ones((B,), bool)
+  np.testing.assert_array_equal(decider.draft_slots(state, active), active)
+  assert bool(decider.drafts(state))

@@ -260,8 +260,8 @@ def generate(engine: core.Engine, params: core.Params, prompts: Sequence[Sequenc
     if keep_infos:
       infos.append(distributed.fetch(info))
     if tables is not None:
-      records.append(modelled_clock.ClockRecord(*distributed.fetch(tuple(
-          getattr(info, name) for name in modelled_clock.ClockRecord._fields))))
+      records.append(modelled_clock.ClockRecord(*distributed.fetch(
+          modelled_clock.step_fields(info))))
     if on_chunk is not None:
       on_chunk(state, info)
     state = settle(state)

@@ -7,11 +7,13 @@ problem the same way (vLLM's adaptive speculation profiles verify cost by target
 and draft cost by requests; SmartSpec, Liu et al. 2024). Every step is charged exactly a
 sum of table entries for what it did (`step_ms`):
 
-    charge = draft_depth_ms[R, :draft_passes].sum() + verify
+    charge = draft_depth_ms[D, :draft_passes].sum() + verify
 
-* `R` = `StepInfo.active`, the requests the step decoded (a serving stack drafts only
-  active requests; tables of av_jax's own implementation have every row equal to row B,
-  so the index does not matter there);
+* `D` = the requests that drafted (`StepInfo.draft_slots` summed): every active request
+  on an ungated step, only those the decider let draft under the skip-drafting gate (a
+  serving stack drafts only those; tables of av_jax's own implementation have every row
+  equal to row B, so the index does not matter there). Records made before per-slot
+  drafting (no `draft_slots`) charge every active request;
 * `draft_passes` = `StepInfo.draft_passes`: K for an autoregressive drafter drafting
   every depth (fewer when it stops early), 1 for a parallel drafter's single pass (its
   whole cost sits at depth 0), 0 for a step that drafted nothing;
@@ -56,16 +58,37 @@ class ClockRecord(NamedTuple):
   bucket: np.ndarray        # [S] int32, packed bucket index the engine ran
   draft_passes: np.ndarray  # [S] int32, drafter passes run
   emitted: np.ndarray       # [S] int32, tokens emitted
+  # [S] int32, requests that drafted (sum of StepInfo.draft_slots); None: a record made
+  # before per-slot drafting, where every active request drafted
+  draft_requests: np.ndarray | None = None
+
+
+def step_fields(info) -> tuple:
+  """The `ClockRecord` fields of one `StepInfo` (device arrays, stacked over steps), in
+  order: what a run keeps per chunk for the modelled clock (a few ints per step)."""
+  return tuple(getattr(info, name) for name in ClockRecord._fields[:-1]) + (
+      info.draft_slots.sum(axis=-1),)
 
 
 def record(infos) -> ClockRecord:
   """A `ClockRecord` from one `StepInfo` (stacked over steps) or a list of them (chunks)."""
   if not isinstance(infos, (list, tuple)) or hasattr(infos, "_fields"):
     infos = [infos]
-  cat = lambda name: np.concatenate([np.atleast_1d(np.asarray(getattr(i, name)))
-                                     for i in infos]).astype(np.int64) if infos else (
-                                         np.zeros((0,), np.int64))
-  return ClockRecord(*(cat(name) for name in ClockRecord._fields))
+  cat = lambda values: np.concatenate([np.atleast_1d(np.asarray(v)) for v in values]
+                                      ).astype(np.int64) if infos else np.zeros((0,), np.int64)
+  fields = [cat([getattr(i, name) for i in infos]) for name in ClockRecord._fields[:-1]]
+  if all(getattr(i, "draft_slots", None) is not None for i in infos):
+    requests = cat([np.sum(np.asarray(i.draft_slots), axis=-1) for i in infos])
+  else:
+    requests = None
+  return ClockRecord(*fields, requests)
+
+
+def _draft_requests(rec: ClockRecord) -> np.ndarray:
+  """`[S]` the requests each step drafted for (old records: its active requests)."""
+  if rec.draft_requests is None:
+    return np.asarray(rec.active, np.int64)
+  return np.asarray(rec.draft_requests, np.int64)
 
 
 def step_ms(infos, tables: CostTables, *, verify: str = "tokens",
@@ -88,15 +111,16 @@ def step_ms(infos, tables: CostTables, *, verify: str = "tokens",
     raise ValueError(f"verify: expected one of {VERIFY_CHARGES}, got {verify!r}")
   depth = np.asarray(tables.draft_depth_ms, np.float64)
   rows, depths = depth.shape
-  if rec.active.size and rec.active.max() >= rows:
+  drafting = _draft_requests(rec)
+  if rec.active.size and max(rec.active.max(), drafting.max()) >= rows:
     raise ValueError(f"tables: draft_depth_ms has rows for R <= {rows - 1} requests, the "
-                     f"steps ran {int(rec.active.max())}")
+                     f"steps ran {int(max(rec.active.max(), drafting.max()))}")
   if rec.draft_passes.size and rec.draft_passes.max() > depths:
     raise ValueError(f"tables: draft_depth_ms has {depths} depths, the steps ran "
                      f"{int(rec.draft_passes.max())} drafter passes")
   # Prefix sums along depth: cum[R, d] = draft_depth_ms[R, :d].sum().
   cum = np.concatenate([np.zeros((rows, 1)), np.cumsum(depth, axis=1)], axis=1)
-  draft = cum[rec.active, rec.draft_passes]
+  draft = cum[drafting, rec.draft_passes]
   if verify == "tokens":
     table = np.asarray(tables.cost.verify_ms, np.float64)
     tokens = rec.active + rec.verified

@@ -20,6 +20,7 @@ target cache holds positions `0 .. length-2`; the newest token `tokens[b, length
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -33,7 +34,8 @@ from av_jax.engine.protocols import Target
 from av_jax.estimator import EstimatorConfig, EstimatorState
 from av_jax.features import FEATURES, logit_qmax
 from av_jax.models.config import ModelsConfig
-from av_jax.models.drafters import Drafter, DrafterState, insert_slot, keep_inactive
+from av_jax.models.drafters import (Drafter, DrafterState, can_skip, catch_up, insert_slot,
+                                    keep_inactive, put_slots, take_slots)
 from av_jax.models.sampling import sample_tokens, sampling_probs
 from av_jax.planner import PlannerConfig, PlannerState
 from av_jax.rejection import RejectionResult, rejection_sample
@@ -77,6 +79,10 @@ class EngineConfig:
   policy: str | None = None      # planner budget policy; None = the exact one for the drafter
   num_buckets: int = 4           # static packed-token sizes between B and B*(K+1)
   buckets: tuple[int, ...] | None = None  # explicit bucket sizes (override num_buckets)
+  # Draft buckets E: under the skip-drafting gate a step drafts only the slots that draft,
+  # gathered into the smallest E >= their number (ascending, the last B); None: the
+  # geometric {ceil(B/8), ceil(B/4), ceil(B/2), B}.
+  draft_buckets: tuple[int, ...] | None = None
   eos_id: int = -1               # end-of-sequence token (-1: none)
   steps_per_chunk: int = 16      # decode steps per `run_chunk` (host sync granularity)
   record_features: bool = False  # StepInfo.extra holds every RECORDED_FEATURES (studies)
@@ -86,9 +92,9 @@ class EngineConfig:
                                     # `generate(mesh=...)` the 'data' size
   sampling: Sampling = Sampling()  # temperature (0: greedy) and top-p of draft and target
   estimator: EstimatorConfig = EstimatorConfig()  # the online estimator's settings
-  # The planner's settings. `skip_unprofitable_drafts`: AV with a parallel drafter does
-  # not draft while it does not pay, re-checking every `recheck_every` steps (None: 4 x
-  # explore_every); other arms and drafters ignore it.
+  # The planner's settings. `skip_unprofitable_drafts`: AV does not draft while it does
+  # not pay, re-checking every `recheck_every` steps (None: 4 x explore_every), for every
+  # drafter that `drafters.can_skip` (parallel, or with `absorb`); other arms ignore it.
   planner: PlannerConfig = PlannerConfig(skip_unprofitable_drafts=True)
 
   def __init__(self, **settings):
@@ -135,6 +141,24 @@ class EngineConfig:
       if self.buckets is not None and any(int(b) % self.verify_groups for b in self.buckets):
         raise ValueError(f"buckets: with verify_groups = {self.verify_groups} every size "
                          f"must be a multiple of it (G groups of T/G), got {self.buckets}")
+    if self.draft_buckets is not None:
+      sizes = self.draft_buckets
+      if (not isinstance(sizes, (tuple, list)) or not sizes
+          or any(isinstance(e, bool) or not isinstance(e, (int, np.integer))
+                 or not 1 <= e <= self.num_slots for e in sizes)):
+        raise ValueError(f"draft_buckets: expected a non-empty tuple of ints in [1, "
+                         f"num_slots = {self.num_slots}], got {sizes!r}")
+
+  def draft_bucket_sizes(self) -> tuple[int, ...]:
+    """Draft bucket sizes E, ascending, the last B: a gated step drafting for n slots
+    gathers them into the smallest E >= n rows (`draft_buckets`, or the geometric
+    ceil(B/8), ceil(B/4), ceil(B/2), B)."""
+    B = self.num_slots
+    if self.draft_buckets is not None:
+      sizes = set(int(e) for e in self.draft_buckets)
+    else:
+      sizes = {-(-B // d) for d in (8, 4, 2, 1)}
+    return tuple(sorted(sizes | {B}))
 
   @property
   def greedy(self) -> bool:
@@ -233,6 +257,10 @@ class StepInfo(NamedTuple):
   # 0 when nothing was drafted.
   draft_passes: jax.Array
   drafted_depth: jax.Array  # [B] int32, depths each slot drafted (0: inactive / none)
+  draft_slots: jax.Array    # [B] bool, slots that drafted this step
+  # [] int32, drafter rows that ran: the draft bucket E of a gated step, B of an ungated
+  # step that drafted, 0 when nothing was drafted
+  draft_rows: jax.Array
 
 
 class Params(NamedTuple):
@@ -301,9 +329,9 @@ def make_engine(config: EngineConfig, models: ModelsConfig | None = None,
                      f"{drafter.kind!r}")
   policy = policy_for(ARMS["av"], drafting=drafter.drafting, greedy=config.greedy,
                       requested=config.policy)
-  # Only parallel drafters may skip drafting: they keep no cache that a skipped step
-  # would leave behind.
-  gated = config.planner.skip_unprofitable_drafts and drafter.drafting == "parallel"
+  # A drafter may skip drafting when `catch_up` keeps it current: a parallel one (no
+  # cache) or one with `absorb`; a drafter with a cache and no `absorb` always drafts.
+  gated = config.planner.skip_unprofitable_drafts and can_skip(drafter)
   # Survival stop needs an autoregressive drafter that drafts depth by depth (with a
   # parallel one, or one without `stepwise`, `av` drafts all K like `av-no-stop`); the
   # confidence stop's verification rule applies to any drafter.
@@ -353,7 +381,7 @@ def init_state(engine: Engine, params: Params, key: jax.Array,
   cfg = engine.config
   B, K, M = cfg.num_slots, cfg.max_draft, cfg.max_len
   cost = default_cost(cfg) if cost is None else cost
-  decision = engine.decider.init()
+  decision = engine.decider.init(B)
   one = jnp.zeros((B, 1), jnp.int32)
   hidden = jnp.zeros((B, 1, engine.target.hidden_size), jnp.float32)
   drafter = engine.drafter.init_state(
@@ -556,6 +584,41 @@ def _sound(logits: jax.Array, log_probs: jax.Array | None) -> jax.Array:
   return sound
 
 
+# ----------------------------------------------------------------------------------------
+# SHIM (issue 14): per-slot drafting verbs of `av_jax.decision`, until they land there. A
+# decider with `draft_slots` is used as its contract says (`draft_slots(state, active)
+# -> [B] bool`, `plan(drafting=[B])`, `keep_drafting(slots=[E])`); without it the
+# batch-level gate stands in: every active slot drafts or none, `plan` gets the step's
+# `[] bool`, `keep_drafting` no slots. On merge: `_per_slot` returns True (or the
+# fallbacks go), nothing else changes.
+def _per_slot(decider: Decider) -> bool:
+  return hasattr(decider, "draft_slots")
+
+
+def _draft_slots(decider: Decider, decision: DecisionState, active: jax.Array) -> jax.Array:
+  """`[B] bool`, the slots that draft this step (`decider.draft_slots`)."""
+  if _per_slot(decider):
+    return decider.draft_slots(decision, active)
+  return decider.drafts(decision) & active  # SHIM
+
+
+def _plan_drafting(decider: Decider, decision: DecisionState, slots: jax.Array) -> jax.Array:
+  """What `decider.plan(drafting=...)` takes: the per-slot mask."""
+  if _per_slot(decider):
+    return slots
+  return decider.drafts(decision)  # SHIM: the batch-level flag
+
+
+def _keep_drafting(decider: Decider, decision: DecisionState, probs, drafted, depth, *,
+                   active, top1, slots):
+  """`decider.keep_drafting` on E rows, `slots [E]` their slot ids (None: all B)."""
+  if _per_slot(decider) and slots is not None:
+    return decider.keep_drafting(decision, probs, drafted, depth, active=active, top1=top1,
+                                 slots=slots)
+  return decider.keep_drafting(decision, probs, drafted, depth, active=active, top1=top1)
+# ---------------------------------------------------------------------------- end of SHIM
+
+
 def _stepwise(engine: Engine) -> bool:
   """The drafting loop evaluates a drafting stop between depths (autoregressive
   drafters that support it, under an arm with a stop)."""
@@ -563,13 +626,15 @@ def _stepwise(engine: Engine) -> bool:
           and engine.drafter.drafting == "autoregressive")
 
 
-def _keep_fn(engine: Engine, state: DecodeState, decision: DecisionState):
+def _keep_fn(engine: Engine, active: jax.Array, decision: DecisionState,
+             slots: jax.Array | None = None):
   """The drafting stop evaluated after each depth j: scores S[b, 1..j] from the features
   of depths <= j (`decider.score`), then the planner's rule (`decider.keep_drafting`).
   A slot whose depth-j distribution is not sound stops (its later depths could not be
-  verified). Returns `(keep_fn, aux0)` for `Drafter.draft`."""
+  verified). `active [E]` are the drafting rows, `slots [E]` their slots (None: all B
+  in order). Returns `(keep_fn, aux0)` for `Drafter.draft`."""
   cfg, decider = engine.config, engine.decider
-  B, K, V = cfg.num_slots, cfg.max_draft, engine.target.vocab_size
+  B, K, V = active.shape[0], cfg.max_draft, engine.target.vocab_size
   uniform = -jnp.log(jnp.float32(V))
 
   def keep_fn(depth, logits, log_probs, aux):
@@ -588,8 +653,8 @@ def _keep_fn(engine: Engine, state: DecodeState, decision: DecisionState):
     top1 = put(top1, jnp.exp(jnp.max(log_probs, axis=-1)))
     drafted = (jnp.arange(K)[None] < depth) & (jnp.cumprod(sound, axis=1) > 0)
     probs = decider.score(decision, features)
-    keep = decider.keep_drafting(decision, probs, drafted, depth, active=state.active,
-                                 top1=top1)
+    keep = _keep_drafting(decider, decision, probs, drafted, depth, active=active,
+                          top1=top1, slots=slots)
     return keep & ok, (features, sound, top1)
 
   aux0 = (jnp.zeros((B, K), jnp.float32), jnp.zeros((B, K), bool),
@@ -597,15 +662,19 @@ def _keep_fn(engine: Engine, state: DecodeState, decision: DecisionState):
   return keep_fn, aux0
 
 
-def _draft(engine: Engine, params: Params, state: DecodeState, key: jax.Array,
-           decision: DecisionState) -> Drafts:
+def _draft(engine: Engine, params: Params, drafter_state: DrafterState, key: jax.Array,
+           decision: DecisionState, *, active: jax.Array,
+           slots: jax.Array | None = None) -> Drafts:
+  """Drafts for the rows of `drafter_state` (E of them: all B slots, or the rows of a
+  draft bucket, `active [E]` the ones that draft, `slots [E]` their slot ids) and
+  scores the drafts; every output has E rows."""
   cfg = engine.config
-  B, K = cfg.num_slots, cfg.max_draft
+  B, K = drafter_state.tokens.shape[0], cfg.max_draft
   stop_kwargs = {}
   if _stepwise(engine):
-    keep_fn, aux0 = _keep_fn(engine, state, decision)
+    keep_fn, aux0 = _keep_fn(engine, active, decision, slots)
     stop_kwargs = dict(keep_fn=keep_fn, keep_init=aux0)
-  draft = engine.drafter.draft(params.drafter, params.target, state.drafter, key, K=K,
+  draft = engine.drafter.draft(params.drafter, params.target, drafter_state, key, K=K,
                                temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p,
                                **stop_kwargs)
   logits = draft.logits
@@ -695,46 +764,58 @@ class _Stops(NamedTuple):
 
 
 def _draft_phase(engine: Engine, params: Params, state: DecodeState, key: jax.Array,
-                 drafting: jax.Array, decision: DecisionState) -> Drafts:
-  """Draft and score the drafts (from the distribution, never the token); a step that
-  does not draft (target-only arm, or the gate closed) returns placeholders. Under a
-  drafting stop the loop over depths ends per request and for the batch (`_keep_fn`)."""
+                 decision: DecisionState) -> Drafts:
+  """An ungated step's drafts for all B slots (placeholders for the target-only arm).
+  Under a drafting stop the loop over depths ends per request and for the batch
+  (`_keep_fn`)."""
   if not engine.arm.drafts:
     return _no_draft(engine, state)
-  if engine.decider.planner.gated:
-    return jax.lax.cond(drafting, lambda: _draft(engine, params, state, key, decision),
-                        lambda: _no_draft(engine, state))
-  return _draft(engine, params, state, key, decision)
+  return _draft(engine, params, state.drafter, key, decision, active=state.active)
+
+
+def _scatter_drafts(engine: Engine, state: DecodeState, sub: Drafts, idx: jax.Array,
+                    keep: jax.Array, *, whole: bool) -> Drafts:
+  """The drafts of E bucket rows (`idx [E]` their slots, `keep [E]` the rows that
+  drafted) as `[B, ...]` drafts: slots that did not draft get placeholders and no usable
+  position, and keep their drafter state. `whole`: the rows are all B slots in order."""
+  cfg = engine.config
+  base = _no_draft(engine, state)._replace(
+      usable=jnp.zeros((cfg.num_slots, cfg.max_draft), bool))
+
+  def put(b, x):
+    k = keep.reshape(keep.shape + (1,) * (x.ndim - 1))
+    if whole:
+      return jnp.where(k, x, b)
+    return b.at[idx].set(jnp.where(k, x, b[idx]))
+
+  fields = {name: put(getattr(base, name), getattr(sub, name))
+            for name in ("tokens", "probs", "features", "conf", "finite", "extra", "usable",
+                         "depth", "top1")}
+  drafter = (keep_inactive(sub.state, state.drafter, keep) if whole
+             else put_slots(state.drafter, sub.state, idx, keep))
+  return Drafts(**fields, state=drafter, passes=sub.passes)
 
 
 def _verify_phase(engine: Engine, params: Params, state: DecodeState, drafts: Drafts,
-                  num_verified: jax.Array, drafting: jax.Array, key: jax.Array) -> _Verdict:
+                  num_verified: jax.Array, key: jax.Array, *, packed: bool) -> _Verdict:
   """The base token and the verified drafts, packed, in one target pass; then rejection
-  sampling. A step that drafted nothing is a plain target step (no `[B, K+1, V]`)."""
+  sampling. A step that drafted nothing (`packed=False`) is a plain target step (no
+  `[B, K+1, V]`)."""
   B, K = engine.config.num_slots, engine.config.max_draft
   base = state.tokens[jnp.arange(B), state.length - 1]
-
-  def verify():
-    tokens = jnp.concatenate([base[:, None], drafts.tokens], axis=1)      # [B, K+1]
-    j = jnp.arange(K + 1)[None, :]
-    positions = state.length[:, None] - 1 + j
-    valid = state.active[:, None] & (j <= num_verified[:, None])
-    target_probs, hidden, cache, bucket = _verify_packed(
-        engine, params.target, state.target_cache, tokens=tokens, positions=positions,
-        valid=valid)
-    result = rejection_sample(key, draft_probs=drafts.probs, draft_tokens=drafts.tokens,
-                              target_probs=target_probs, num_verified=num_verified)
-    return _Verdict(result, hidden, cache, bucket)
-
-  def target_step():
+  if not packed:
     return _Verdict(*_target_step(engine, params.target, state.target_cache, key, base=base,
                                   position=state.length - 1, active=state.active))
-
-  if not engine.arm.drafts:
-    return target_step()
-  if engine.decider.planner.gated:
-    return jax.lax.cond(drafting, verify, target_step)
-  return verify()
+  tokens = jnp.concatenate([base[:, None], drafts.tokens], axis=1)        # [B, K+1]
+  j = jnp.arange(K + 1)[None, :]
+  positions = state.length[:, None] - 1 + j
+  valid = state.active[:, None] & (j <= num_verified[:, None])
+  target_probs, hidden, cache, bucket = _verify_packed(
+      engine, params.target, state.target_cache, tokens=tokens, positions=positions,
+      valid=valid)
+  result = rejection_sample(key, draft_probs=drafts.probs, draft_tokens=drafts.tokens,
+                            target_probs=target_probs, num_verified=num_verified)
+  return _Verdict(result, hidden, cache, bucket)
 
 
 def _apply_stops(cfg: EngineConfig, state: DecodeState, result: RejectionResult) -> _Stops:
@@ -768,62 +849,73 @@ def _commit_phase(engine: Engine, state: DecodeState, drafts: Drafts,
   return keep_inactive(committed, state.drafter, state.active)
 
 
+def _gated_commit_phase(engine: Engine, params: Params, state: DecodeState, drafts: Drafts,
+                        verdict: _Verdict, slots: jax.Array) -> DrafterState:
+  """A gated step's drafter state: the drafting `slots` commit as usual; the other active
+  slots emitted one target token without drafting and catch up (`catch_up`: the token
+  and the base token's target hidden state join the pending block); inactive slots keep
+  theirs. The cache is `catch_up`'s, whole (its absorb writes a pending block at the
+  positions it already holds; entries above a consumed prefix are never read)."""
+  active = state.active
+  caught = catch_up(engine.drafter, params.drafter, params.target, drafts.state,
+                    token=verdict.result.tokens[:, 0], hidden=verdict.target_hidden[:, 0],
+                    mask=active & ~slots)
+  committed = engine.drafter.commit(drafts.state, emitted_tokens=verdict.result.tokens,
+                                    num_emitted=verdict.result.num_emitted,
+                                    target_hidden=verdict.target_hidden)
+  merged = keep_inactive(committed, caught, slots)._replace(cache=caught.cache)
+  return keep_inactive(merged, state.drafter, active)
+
+
 def _count(engine: Engine, stats: EngineStats, *, state: DecodeState, drafts: Drafts,
-           verdict: _Verdict, stops: _Stops, verified: jax.Array,
-           labeled: jax.Array) -> EngineStats:
-  """The running totals after this step."""
+           verdict: _Verdict, stops: _Stops, verified: jax.Array, labeled: jax.Array,
+           slots: jax.Array) -> EngineStats:
+  """The running totals after this step (`slots [B]`: the slots that drafted)."""
   K = engine.config.max_draft
-  active, accepted = state.active, verdict.result.accepted
+  accepted = verdict.result.accepted
   return EngineStats(
       steps=stats.steps + 1,
       emitted=stats.emitted + jnp.sum(stops.num_kept),
       verified=stats.verified + jnp.sum(verified),
       draft_tokens=stats.draft_tokens + (
-          jnp.sum(jnp.where(active, drafts.depth, 0)) if _stepwise(engine)
-          else K * jnp.sum(active)),
+          jnp.sum(jnp.where(slots, drafts.depth, 0)) if _stepwise(engine)
+          else K * jnp.sum(slots, dtype=jnp.int32)),
       accepted_at=stats.accepted_at + jnp.sum(accepted & labeled, 0, dtype=jnp.int32),
       labeled_at=stats.labeled_at + jnp.sum(labeled, 0, dtype=jnp.int32),
       bucket_hist=stats.bucket_hist.at[verdict.bucket].add(1),
-      nonfinite=stats.nonfinite + jnp.sum(active & ~drafts.finite))
+      nonfinite=stats.nonfinite + jnp.sum(slots & ~drafts.finite))
 
 
-def step(engine: Engine, params: Params, state: DecodeState) -> tuple[DecodeState, StepInfo]:
-  """One speculative-decoding step for every active slot (see the module docstring).
-
-  Phases: gate -> draft and score -> decide -> verify -> stops -> commit to the drafter
-  -> learn and count. The decision (`engine.decider`: `drafts`, `score`, `plan`,
-  `learn`) is `av_jax.decision`'s, the code `decision_step` and the overhead benchmark
-  run.
-  """
+def _decide_and_verify(engine: Engine, params: Params, state: DecodeState,
+                       decision: DecisionState, drafts: Drafts, *, key: jax.Array,
+                       k_verify: jax.Array, slots: jax.Array, drafting: jax.Array,
+                       plan_drafting: jax.Array, rows: jax.Array, packed: bool,
+                       commit) -> tuple[DecodeState, StepInfo]:
+  """The phases after drafting: decide -> verify -> stops -> `commit(drafts, verdict)`
+  to the drafter -> learn and count. `slots [B]`: the slots that drafted; `drafting []`:
+  the step drafted; `plan_drafting`: what `decider.plan` takes as `drafting`; `rows []`:
+  the drafter rows that ran (StepInfo.draft_rows); `packed`: verify through the packed
+  buckets (False: a target-only step)."""
   decider, active = engine.decider, state.active
-  key, k_draft, k_verify = jax.random.split(state.key, 3)
-  decision = state.decision
-
-  # Gate: a step that verifies nothing drafts nothing (target-only decoding always; AV
-  # with a parallel drafter after a step where drafting did not pay, until a re-check).
-  drafting = jnp.asarray(engine.arm.drafts) & decider.drafts(decision)
-  drafts = _draft_phase(engine, params, state, k_draft, drafting, decision)
-
   # Decide over the usable positions: drafted, and finite up to and including them (a
-  # slot whose first draft is not finite falls back to target-only this step).
+  # slot whose first draft is not finite, or that did not draft, verifies nothing).
   probs = decider.score(decision, drafts.features, conf=drafts.conf)
   plan, decision = decider.plan(decision, probs, state.cost, active=active,
-                                sound=drafts.usable[:, 0], drafting=drafting,
+                                sound=drafts.usable[:, 0], drafting=plan_drafting,
                                 drafted=drafts.usable, top1=drafts.top1)
-
-  verdict = _verify_phase(engine, params, state, drafts, plan.num_verified, drafting,
-                          k_verify)
+  verdict = _verify_phase(engine, params, state, drafts, plan.num_verified, k_verify,
+                          packed=packed)
   result = verdict.result
   # The oracle's hindsight accounting: only the accepted drafts were needed.
   verified = result.num_accepted if engine.arm.hindsight else plan.num_verified
   stops = _apply_stops(engine.config, state, result)
-  drafter_state = _commit_phase(engine, state, drafts, verdict)
+  drafter_state = commit(drafts, verdict)
 
   # Learn from the labels verification produced anyway, and count.
   labeled = result.labeled & active[:, None] & drafts.usable
   decision = decider.learn(decision, drafts.features, result.accepted, labeled)
   stats = _count(engine, state.stats, state=state, drafts=drafts, verdict=verdict,
-                 stops=stops, verified=verified, labeled=labeled)
+                 stops=stops, verified=verified, labeled=labeled, slots=slots)
   new_state = state._replace(
       target_cache=verdict.target_cache, drafter=drafter_state, tokens=stops.tokens,
       length=state.length + stops.num_kept, active=active & ~stops.done,
@@ -832,11 +924,87 @@ def step(engine: Engine, params: Params, state: DecodeState) -> tuple[DecodeStat
                   emitted=jnp.sum(stops.num_kept), bucket=verdict.bucket,
                   active=jnp.sum(active, dtype=jnp.int32), features=drafts.features,
                   probs=probs, conf=drafts.conf, accepted=result.accepted, labeled=labeled,
-                  slot_active=active, extra=drafts.extra, drafting=drafting,
+                  slot_active=active, extra=drafts.extra, drafting=jnp.asarray(drafting),
                   num_verified=plan.num_verified,
-                  draft_passes=jnp.where(drafting & jnp.any(active), drafts.passes, 0),
-                  drafted_depth=jnp.where(active & drafting, drafts.depth, 0))
+                  draft_passes=jnp.where(jnp.any(slots), drafts.passes, 0).astype(jnp.int32),
+                  drafted_depth=jnp.where(slots, drafts.depth, 0),
+                  draft_slots=slots, draft_rows=jnp.asarray(rows, jnp.int32))
   return new_state, info
+
+
+def _gated_step(engine: Engine, params: Params, state: DecodeState, *, key: jax.Array,
+                k_draft: jax.Array, k_verify: jax.Array) -> tuple[DecodeState, StepInfo]:
+  """A step under the skip-drafting gate: only the slots the decider lets draft do.
+
+  With n drafting slots, the drafting slots (then other slots as padding, whose outputs
+  are discarded and whose state is not written back) are gathered into the smallest
+  draft bucket E >= n (`EngineConfig.draft_bucket_sizes`, `lax.switch` over one program
+  per bucket); the top bucket E = B drafts every row in place. n = 0 is a target-only
+  step: no drafter pass, no `[B, K+1, V]` tensor, only the catch-up (an absorb every
+  K + 1 steps for an autoregressive drafter). Slots that did not draft catch up.
+  """
+  cfg, decider, active = engine.config, engine.decider, state.active
+  B = cfg.num_slots
+  decision = state.decision
+  slots = _draft_slots(decider, decision, active)                          # [B] bool
+  plan_drafting = _plan_drafting(decider, decision, slots)
+  sizes = cfg.draft_bucket_sizes()
+  count = jnp.sum(slots, dtype=jnp.int32)
+  branch = jnp.where(count == 0, 0,
+                     1 + jnp.searchsorted(jnp.asarray(sizes), count, side="left"))
+  # Drafting slots first (in slot order), then the others: a bucket's padding rows.
+  order = jnp.argsort(~slots, stable=True).astype(jnp.int32)
+  decide = functools.partial(_decide_and_verify, engine, params, state, decision, key=key,
+                             k_verify=k_verify, slots=slots, plan_drafting=plan_drafting)
+
+  def skip():
+    def commit(drafts, verdict):
+      del drafts
+      return catch_up(engine.drafter, params.drafter, params.target, state.drafter,
+                      token=verdict.result.tokens[:, 0], hidden=verdict.target_hidden[:, 0],
+                      mask=active)
+    return decide(_no_draft(engine, state), drafting=False, rows=0, packed=False,
+                  commit=commit)
+
+  def subset(E):
+    def run():
+      whole = E == B
+      idx = jnp.arange(B, dtype=jnp.int32) if whole else order[:E]
+      rows = state.drafter if whole else take_slots(state.drafter, idx)
+      keep = slots[idx]
+      sub = _draft(engine, params, rows, k_draft, decision, active=keep, slots=idx)
+      drafts = _scatter_drafts(engine, state, sub, idx, keep, whole=whole)
+      commit = lambda drafts, verdict: _gated_commit_phase(engine, params, state, drafts,
+                                                           verdict, slots)
+      return decide(drafts, drafting=True, rows=E, packed=True, commit=commit)
+    return run
+
+  return jax.lax.switch(branch.astype(jnp.int32), [skip] + [subset(E) for E in sizes])
+
+
+def step(engine: Engine, params: Params, state: DecodeState) -> tuple[DecodeState, StepInfo]:
+  """One speculative-decoding step for every active slot (see the module docstring).
+
+  Phases: gate -> draft and score -> decide -> verify -> stops -> commit to the drafter
+  -> learn and count. The decision (`engine.decider`: `draft_slots`, `score`, `plan`,
+  `learn`) is `av_jax.decision`'s, the code `decision_step` and the overhead benchmark
+  run. Under the skip-drafting gate only the slots that draft do (`_gated_step`).
+  """
+  decider, active = engine.decider, state.active
+  key, k_draft, k_verify = jax.random.split(state.key, 3)
+  if engine.arm.drafts and decider.planner.gated:
+    return _gated_step(engine, params, state, key=key, k_draft=k_draft, k_verify=k_verify)
+  decision = state.decision
+  # Ungated: every step drafts for all B slots (target-only decoding: none).
+  drafting = jnp.asarray(engine.arm.drafts) & decider.drafts(decision)
+  drafts = _draft_phase(engine, params, state, k_draft, decision)
+  slots = drafting & active
+  commit = lambda drafts, verdict: _commit_phase(engine, state, drafts, verdict)
+  return _decide_and_verify(
+      engine, params, state, decision, drafts, key=key, k_verify=k_verify, slots=slots,
+      drafting=drafting, plan_drafting=drafting,
+      rows=jnp.where(jnp.any(slots), engine.config.num_slots, 0), packed=engine.arm.drafts,
+      commit=commit)
 
 
 def run_chunk(engine: Engine, params: Params, state: DecodeState,

@@ -17,11 +17,13 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from av_jax.engine import core
+from av_jax.models import drafters
 from av_jax.profiling import median_ms as _median_ms
 from av_jax.profiling import step_cost_model
-from av_jax.selection import CostModel
+from av_jax.selection import CostModel, make_cost_model
 
 
 def measure(engine: core.Engine, params: core.Params, *, repeats: int = 5) -> dict:
@@ -65,8 +67,20 @@ def measure(engine: core.Engine, params: core.Params, *, repeats: int = 5) -> di
   draft = jax.jit(draft)
   draft_ms = _median_ms(draft, params.drafter, params.target, state.drafter,
                         jax.random.key(1, impl="rbg"), repeats=repeats)
-  return dict(device_kind=jax.devices()[0].device_kind, buckets=list(engine.buckets),
-              bucket_ms=bucket_ms, draft_ms=draft_ms, repeats=repeats, verify_groups=G)
+  profile = dict(device_kind=jax.devices()[0].device_kind, buckets=list(engine.buckets),
+                 bucket_ms=bucket_ms, draft_ms=draft_ms, repeats=repeats, verify_groups=G)
+  if engine.decider.planner.gated:
+    # Under the gate a step drafts for E rows (a draft bucket), so drafting costs what
+    # the bucket holding the drafting requests costs.
+    sizes = cfg.draft_bucket_sizes()
+    profile["draft_buckets"] = list(sizes)
+    profile["draft_bucket_ms"] = [
+        draft_ms if e == B else _median_ms(
+            draft, params.drafter, params.target,
+            drafters.take_slots(state.drafter, jnp.arange(e, dtype=jnp.int32)),
+            jax.random.key(1, impl="rbg"), repeats=repeats)
+        for e in sizes]
+  return profile
 
 
 def cost_model_from_profile(profile: dict, *, num_slots: int, max_tokens: int) -> CostModel:
@@ -75,12 +89,21 @@ def cost_model_from_profile(profile: dict, *, num_slots: int, max_tokens: int) -
   A non-monotone profile is repaired to its running maximum with a `UserWarning`
   (`av_jax.profiling.step_cost_model`).
   """
-  return step_cost_model(profile["buckets"], profile["bucket_ms"], profile["draft_ms"],
+  cost = step_cost_model(profile["buckets"], profile["bucket_ms"], profile["draft_ms"],
                          num_slots=num_slots, max_tokens=max_tokens)
+  if "draft_bucket_ms" not in profile:
+    return cost
+  # R drafting requests cost what the smallest draft bucket E >= R costs (R = 0: the
+  # smallest; a step with none does not draft).
+  sizes = np.asarray(profile["draft_buckets"])
+  index = np.minimum(np.searchsorted(sizes, np.arange(num_slots + 1), side="left"),
+                     len(sizes) - 1)
+  return make_cost_model(np.asarray(profile["draft_bucket_ms"], np.float64)[index],
+                         np.asarray(cost.verify_ms, np.float64))
 
 
 # Bumped whenever what `measure` times changes, so older cached profiles are not reused.
-PROFILE_VERSION = 2
+PROFILE_VERSION = 3  # 3: draft times per draft bucket under the gate
 
 
 def cache_key(engine: core.Engine) -> str:
@@ -165,6 +188,10 @@ def format_profile(profile: dict) -> str:
   lines = [describe_source(profile),
            f"device: {profile['device_kind']}  (median of {profile['repeats']} runs)",
            f"draft (all slots, K tokens): {profile['draft_ms']:.3f} ms",
+           *([f"draft by drafting slots E: " + ", ".join(
+               f"{e}: {ms:.3f} ms" for e, ms in zip(profile["draft_buckets"],
+                                                   profile["draft_bucket_ms"]))]
+             if "draft_bucket_ms" in profile else []),
            f"{'bucket T':>9} {'verify ms':>10} {'ms/token':>9}"]
   for size, ms in zip(profile["buckets"], profile["bucket_ms"]):
     lines.append(f"{size:>9} {ms:>10.3f} {ms / size:>9.4f}")

@@ -18,6 +18,8 @@ from av_jax.models.drafters import DRAFTING
 from av_jax.models.drafters import DraftOutput
 from av_jax.models.drafters import Drafter
 from av_jax.models.drafters import DrafterState
+from av_jax.models.drafters import can_skip
+from av_jax.models.drafters import catch_up
 from av_jax.models.drafters import init_drafter_params
 from av_jax.models.drafters import make_drafter
 from av_jax.models.registry import ModelPair
@@ -50,6 +52,8 @@ __all__ = (
     "TrainConfig",
     "TransformerConfig",
     "assets_dir",
+    "can_skip",
+    "catch_up",
     "config_hash",
     "embedding",
     "forward",

@@ -24,6 +24,7 @@ Protocol (all functions pure; `K` static, `temperature` / `top_p` may be traced 
   # absorbing) and the loop ends when none does: out.depth [B], out.passes []
   state = drafter.commit(out.state, emitted_tokens=[B,K+1], num_emitted=[B],
                          target_hidden=[B,K+1,D])
+  state = drafter.absorb(params, target_params, state)       # optional (None): see below
 
 What the arguments are (for a drafter of the user's own, served with
 `make_engine(config, target=..., drafter=...)`; `examples/own_model_engine.py`):
@@ -47,6 +48,12 @@ What the arguments are (for a drafter of the user's own, served with
   "parallel" and decides the exact budget policy. A "parallel" drafter may be skipped on
   steps where drafting does not pay, so it must keep no cache that a skipped step would
   leave behind.
+- `absorb(params, target_params, state) -> state` (optional): writes the pending block into
+  the drafter's own cache without drafting, as the first forward of `draft` does (draft_lm:
+  the LM over the pending tokens; eagle: the head over the (hidden, token) pairs). Only the
+  returned `cache` is used; `catch_up` then starts a new pending block. It is what lets the
+  engine skip drafting for a drafter with a cache (`catch_up`); a drafter with a cache and
+  no `absorb` always drafts (`make_engine` keeps its skip-drafting gate off).
 
 Sequence bookkeeping. The committed sequence of slot b ends with token x_n at position n
 (the last emitted token, not yet seen by the target). The state holds the committed tokens
@@ -55,6 +62,15 @@ paired with the target hidden state that predicted it. `draft` consumes the pend
 and drafts x_{n+1..n+K}. The verification pass runs the target on [x_n, d_1..d_K] at
 positions n..n+K; its hidden states and the emitted tokens become the next pending block
 (`commit`). Drafter cache entries above the consumed prefix are stale but never read.
+
+Catch-up (`catch_up`). On a step where a slot does not draft, the target emits one token
+for it; the drafter's state must stay as if drafting had never stopped (TensorRT-LLM
+#16888: skipping drafting collapsed acceptance when the drafter's state went stale). The
+committed token and the target hidden state that predicted it are appended to the pending
+block; when the block is full (K+1 entries) `absorb` consumes it into the cache first and
+the token starts a new block. The next `draft` consumes the whole block, so it sees what
+it would have seen had it drafted at every step (tested: tests/test_drafter_catchup.py).
+Parallel drafters keep no cache: their pending block becomes the one new token.
 """
 
 from __future__ import annotations
@@ -125,6 +141,49 @@ def keep_inactive(new: DrafterState, old: DrafterState, active: jax.Array) -> Dr
                          for name in DrafterState._fields})
 
 
+def _slot_axis(field) -> int:
+  return 1 if isinstance(field, transformer.KVCache) else 0
+
+
+def take_slots(state: DrafterState, idx: jax.typing.ArrayLike) -> DrafterState:
+  """The rows `idx [E]` of `state`, in that order: a drafter state of E slots.
+
+  A `KVCache` cache has the slot on axis 1, every other cache and field on axis 0 (as
+  `insert_slot` documents). The engine drafts for a subset of its slots this way.
+  """
+  idx = jnp.asarray(idx, jnp.int32)
+  _checks.rank("idx", idx, 1, "E")
+  return DrafterState(**{
+      name: None if (f := getattr(state, name)) is None
+      else jax.tree.map(lambda x, a=_slot_axis(f): jnp.take(x, idx, axis=a), f)
+      for name in DrafterState._fields})
+
+
+def put_slots(batched: DrafterState, sub: DrafterState, idx: jax.typing.ArrayLike,
+              keep: jax.typing.ArrayLike) -> DrafterState:
+  """`batched` with rows `idx [E]` replaced by the E-slot state `sub` where `keep [E]`.
+
+  The inverse of `take_slots` for the rows that keep; rows that do not (padding rows of
+  a draft bucket) leave their slot untouched, cache included. `idx` must be distinct.
+  """
+  idx = jnp.asarray(idx, jnp.int32)
+  keep = jnp.asarray(keep, bool)
+  _checks.shape("keep", keep, idx.shape, "E")
+
+  def put(b, s, axis):
+    # Rows that do not keep scatter their slot's own values back (a no-op write).
+    old = jnp.take(b, idx, axis=axis)
+    mask = keep.reshape((1,) * axis + keep.shape + (1,) * (b.ndim - axis - 1))
+    new = jnp.where(mask, s.astype(b.dtype), old)
+    index = (slice(None),) * axis + (idx,)
+    return b.at[index].set(new)
+
+  return DrafterState(**{
+      name: None if (b := getattr(batched, name)) is None
+      else jax.tree.map(lambda x, y, a=_slot_axis(b): put(x, y, a), b, getattr(sub, name))
+      for name in DrafterState._fields})
+
+
 class DraftOutput(NamedTuple):
   """What `draft` returns."""
   logits: jax.Array               # [B, K, V] float32 raw draft logits (q = sampling(logits))
@@ -151,6 +210,76 @@ class Drafter(NamedTuple):
                          #  -> DraftOutput
   commit: Callable       # (state, *, emitted_tokens, num_emitted, target_hidden) -> DrafterState
   stepwise: bool = False  # `draft` takes `keep_fn` / `keep_init` (early stop by depth)
+  # (params, target_params, state) -> state whose cache holds the pending block, or None
+  # (see the module docstring; needed to skip drafting a drafter with a cache)
+  absorb: Callable | None = None
+
+
+def can_skip(drafter: Drafter) -> bool:
+  """Whether steps may skip drafting for `drafter` (`catch_up` keeps it current): a
+  parallel drafter (no cache, by the protocol) or one with `absorb`."""
+  return drafter.drafting == "parallel" or drafter.absorb is not None
+
+
+def catch_up(drafter: Drafter, params, target_params, state: DrafterState, *,
+             token: jax.typing.ArrayLike, hidden: jax.typing.ArrayLike,
+             mask: jax.typing.ArrayLike) -> DrafterState:
+  """The state after a step that emitted one target token without drafting, per slot.
+
+  For the slots in `mask`, the committed `token` and the target `hidden` state that
+  predicted it join the pending block; a full block (K+1 entries) is consumed into the
+  cache first (`Drafter.absorb`, run only when some masked slot is full; the cache is
+  taken whole, as in `keep_inactive`: entries above a slot's consumed prefix are never
+  read). A drafter without `absorb` (parallel, no cache) gets the one token as its
+  pending block, what `commit` of a one-token step gives. Other slots keep their state.
+  See the module docstring ("Catch-up").
+
+  Args:
+    drafter: the drafter (`can_skip(drafter)` must hold).
+    params: drafter parameters.
+    target_params: target parameters (EAGLE reads the tied embedding).
+    state: the drafter state after the previous step's commit (or catch-up).
+    token: `[B]` int32 token the target emitted.
+    hidden: `[B, D]` target hidden state of the base token (the one that predicted
+      `token`).
+    mask: `[B]` bool, the slots that emitted without drafting.
+
+  Returns:
+    The caught-up `DrafterState`.
+
+  Raises:
+    ValueError: an autoregressive drafter without `absorb`.
+
+  Example:
+    >>> state = catch_up(drafter, dp, tp, state, token=tok, hidden=h[:, 0], mask=~drafted)
+  """
+  if not can_skip(drafter):
+    raise ValueError(f"drafter: {drafter.kind!r} keeps a cache and has no `absorb`, so a "
+                     "step cannot skip drafting it")
+  token = jnp.asarray(token, jnp.int32)
+  hidden = jnp.asarray(hidden)
+  mask = jnp.asarray(mask, bool)
+  B, width = state.tokens.shape
+  _checks.shape("token", token, (B,), "B")
+  _checks.shape("hidden", hidden, (B, state.hidden.shape[-1]), "BD")
+  _checks.shape("mask", mask, (B,), "B")
+  if drafter.absorb is None:
+    full = jnp.ones((B,), bool)  # no cache: the block restarts at every token
+    cache = state.cache
+  else:
+    full = state.num_pending >= width
+    cache = jax.lax.cond(jnp.any(full & mask),
+                         lambda: drafter.absorb(params, target_params, state).cache,
+                         lambda: state.cache)
+  at = jnp.where(full, 0, state.num_pending)
+  rows = jnp.arange(B)
+  new = DrafterState(
+      cache=cache,
+      tokens=state.tokens.at[rows, at].set(token),
+      hidden=state.hidden.at[rows, at].set(hidden.astype(state.hidden.dtype)),
+      num_pending=at + 1,
+      position=jnp.where(full, state.position + state.num_pending, state.position))
+  return keep_inactive(new, state, mask)
 
 
 # ----------------------------------------------------------------------------- modules
@@ -413,7 +542,15 @@ def _make_draft_lm(cfg: ModelsConfig) -> Drafter:
         keep_init)
     return DraftOutput(logits, toks, None, state._replace(cache=cache), lps, depth, passes)
 
-  return Drafter("draft_lm", DRAFTING["draft_lm"], init_state, draft, commit, stepwise=True)
+  def absorb(params, target_params, state):
+    del target_params
+    positions, valid = _pending_inputs(state)
+    out = transformer.forward(params, state.tokens, positions, state.cache, cfg=lm_cfg,
+                              valid=valid)
+    return state._replace(cache=out.cache)
+
+  return Drafter("draft_lm", DRAFTING["draft_lm"], init_state, draft, commit, stepwise=True,
+                 absorb=absorb)
 
 
 # --------------------------------------------------------------------------------- eagle
@@ -477,7 +614,16 @@ def _make_eagle(cfg: ModelsConfig) -> Drafter:
         keep_init)
     return DraftOutput(logits, toks, None, state._replace(cache=cache), lps, depth, passes)
 
-  return Drafter("eagle", DRAFTING["eagle"], init_state, draft, commit, stepwise=True)
+  def absorb(params, target_params, state):
+    positions, valid = _pending_inputs(state)
+    positions = positions - 1  # head position = sequence position - 1 (see init_state)
+    _, _, cache = run(params, transformer.embedding(target_params), state.hidden,
+                      state.tokens, positions, state.cache,
+                      jnp.where(valid, positions, state.cache.k.shape[2]))
+    return state._replace(cache=cache)
+
+  return Drafter("eagle", DRAFTING["eagle"], init_state, draft, commit, stepwise=True,
+                 absorb=absorb)
 
 
 # --------------------------------------------------------------------------------- block

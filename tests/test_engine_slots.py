@@ -1,0 +1,177 @@
+"""Engine under the skip-drafting gate, for every drafter kind: greedy identity while the
+gate opens and closes, catch-up of autoregressive drafters, per-slot (subset) drafting
+into draft buckets, inert idle slots and no recompiles."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from av_jax import engine as E
+from av_jax.decision import Decider
+from av_jax.engine import batching as G
+from av_jax.engine import core
+from av_jax.selection import make_cost_model
+from tests import _engine_fixtures as fx
+
+PROMPTS = [[1, 2, 3], [4], list(range(5, 22)), [7, 7, 7, 7, 7, 7]]
+MAX_NEW = [9, 14, 6, 11]
+
+
+def _cost(B, K, draft_ms):
+  return make_cost_model(np.full(B + 1, draft_ms), 1.0 + 0.02 * np.arange(B * (K + 1) + 1))
+
+
+@functools.lru_cache(maxsize=None)
+def _engine(kind, copy_target=False, **overrides):
+  cfg, drafter, params = fx.pair(kind, copy_target)
+  settings = dict(num_slots=3, max_draft=4, max_len=64, mode="av", temperature=0.0,
+                  steps_per_chunk=4, explore_every=2, draft_recheck_every=4)
+  settings.update(overrides)
+  return E.make_engine(E.EngineConfig(**settings), cfg, drafter), params
+
+
+@pytest.mark.parametrize("kind", ["draft_lm", "eagle", "block"])
+def test_gated_greedy_equals_target_only_greedy(kind):
+  """Drafting never pays: only every 4th step drafts; the rest decode target-only and the
+  autoregressive drafters catch up. Output: exactly target-only greedy decoding."""
+  engine, params = _engine(kind)
+  assert engine.decider.planner.gated
+  B, K = engine.config.num_slots, engine.config.max_draft
+  want = [fx.greedy_reference(False, p, n) for p, n in zip(PROMPTS, MAX_NEW)]
+  result = E.generate(engine, params, PROMPTS, max_new_tokens=MAX_NEW, key=fx.key(0),
+                      cost=_cost(B, K, 100.0), keep_infos=True)
+  assert [c.tokens for c in result.completions] == want
+  drafting = np.concatenate([i.drafting for i in result.infos])
+  active = np.concatenate([i.active for i in result.infos]) > 0
+  assert drafting[active].any() and not drafting[active].all()
+  np.testing.assert_array_equal(drafting, np.arange(drafting.size) % 4 == 0)
+  rows = np.concatenate([i.draft_rows for i in result.infos])
+  passes = np.concatenate([i.draft_passes for i in result.infos])
+  assert (rows[~drafting] == 0).all() and (passes[~drafting] == 0).all()
+  # draft_tokens counts the slots that drafted only.
+  slots = np.concatenate([i.draft_slots for i in result.infos])
+  depth = np.concatenate([i.drafted_depth for i in result.infos])
+  assert result.stats["draft_tokens"] == (depth.sum() if engine.drafter.stepwise
+                                          else K * slots.sum())
+
+
+def test_caught_up_drafter_accepts_like_a_never_gated_one():
+  """The drafter is the target (draft_lm = target): a never-gated run accepts every
+  verified draft; after every gated stretch the caught-up drafter still does (a stale
+  drafter state would not: tests/test_drafter_catchup.py's control)."""
+  want = [fx.greedy_reference(True, p, n) for p, n in zip(PROMPTS, [20, 25, 18, 22])]
+  # An estimator that verifies little at first can make even free drafting "not pay", so
+  # the never-gated run turns the gate off.
+  for draft_ms, gated in ((100.0, True), (1e-3, False)):
+    engine, params = _engine("draft_lm", copy_target=True, skip_unprofitable_drafts=gated)
+    B, K = engine.config.num_slots, engine.config.max_draft
+    result = E.generate(engine, params, PROMPTS, max_new_tokens=[20, 25, 18, 22],
+                        key=fx.key(0), cost=_cost(B, K, draft_ms), keep_infos=True)
+    assert [c.tokens for c in result.completions] == want
+    drafting = np.concatenate([i.drafting for i in result.infos])
+    accepted = np.concatenate([i.accepted for i in result.infos])
+    labeled = np.concatenate([i.labeled for i in result.infos])
+    assert (~drafting).any() == gated
+    after = drafting & np.concatenate([[False], ~drafting[:-1]])  # first step after a stretch
+    assert labeled[after].sum() > (0 if gated else -1)
+    np.testing.assert_array_equal(accepted[labeled], True)
+    assert result.stats["acceptance_at"][0] == 1.0
+
+
+class _SlotDecider(Decider):
+  """A decider with the per-slot drafting contract (`draft_slots`, `plan(drafting=[B])`,
+  `keep_drafting(slots=)`), drafting a fixed pattern: at planner step s the slots whose
+  rank under a permutation is below s % (B + 1)."""
+
+  def __hash__(self):
+    return hash(("slots", tuple(self)))
+
+  def __eq__(self, other):
+    return type(other) is _SlotDecider and tuple(self) == tuple(other)
+
+  def draft_slots(self, state, active):
+    B = active.shape[0]
+    rank = (jnp.arange(B) * 3) % B
+    return active & (rank < state.planner.step % (B + 1))
+
+  def plan(self, state, probs, cost, *, drafting=True, **kwargs):
+    return super().plan(state, probs, cost, drafting=jnp.any(drafting), **kwargs)
+
+  def keep_drafting(self, state, probs, drafted, depth, *, active, top1=None, slots=None):
+    assert slots is not None and slots.shape == active.shape
+    return super().keep_drafting(state, probs, drafted, depth, active=active, top1=top1)
+
+
+def _expected_slots(step, B):
+  rank = (np.arange(B) * 3) % B
+  return rank < step % (B + 1)
+
+
+@pytest.mark.parametrize("kind", ["eagle", "block"])
+def test_subset_drafting_drafts_exactly_the_chosen_slots(kind):
+  base, params = _engine(kind, num_slots=8, steps_per_chunk=6)
+  engine = base._replace(decider=_SlotDecider(*base.decider))
+  B = engine.config.num_slots
+  assert engine.config.draft_bucket_sizes() == (1, 2, 4, 8)
+  prompts = [[1 + b, 2, 3 + b] for b in range(B)]
+  want = [fx.greedy_reference(False, p, 12) for p in prompts]
+  result = E.generate(engine, params, prompts, max_new_tokens=12, key=fx.key(0),
+                      keep_infos=True)
+  assert [c.tokens for c in result.completions] == want
+  slots = np.concatenate([i.draft_slots for i in result.infos])
+  active = np.concatenate([i.slot_active for i in result.infos])
+  rows = np.concatenate([i.draft_rows for i in result.infos])
+  verified = np.concatenate([i.num_verified for i in result.infos])
+  depth = np.concatenate([i.drafted_depth for i in result.infos])
+  counts = set()
+  for s in range(slots.shape[0]):
+    expect = _expected_slots(s, B) & active[s]
+    np.testing.assert_array_equal(slots[s], expect)
+    n = int(expect.sum())
+    counts.add(n)
+    assert rows[s] == (0 if n == 0 else min(e for e in (1, 2, 4, 8) if e >= n))
+    assert (verified[s][~expect] == 0).all() and (depth[s][~expect] == 0).all()
+    assert (depth[s][expect] > 0).all()
+  assert counts >= set(range(0, B + 1))  # every bucket and the no-draft branch ran
+
+
+def test_draft_buckets_config():
+  assert E.EngineConfig(num_slots=3).draft_bucket_sizes() == (1, 2, 3)
+  assert E.EngineConfig(num_slots=64).draft_bucket_sizes() == (8, 16, 32, 64)
+  assert E.EngineConfig(num_slots=8, draft_buckets=(3, 1)).draft_bucket_sizes() == (1, 3, 8)
+  for bad in ((), (0,), (9,), (2.5,), "4", (True,)):
+    with pytest.raises(ValueError, match="draft_buckets"):
+      E.EngineConfig(num_slots=8, draft_buckets=bad)
+
+
+def test_gated_idle_slots_inert_and_no_recompile():
+  engine, params = _engine("eagle", num_buckets=3)
+  B, K = engine.config.num_slots, engine.config.max_draft
+  cost = _cost(B, K, 100.0)
+  prefill, chunk, init = G.compiled(engine)
+  E.generate(engine, params, PROMPTS, max_new_tokens=MAX_NEW, key=fx.key(1), cost=cost)
+  chunks, prefills = chunk._cache_size(), prefill._cache_size()
+  assert chunks == 1
+  result = E.generate(engine, params, [[3, 1], [2] * 9, [5] * 20], max_new_tokens=[20, 3, 8],
+                      key=fx.key(2), cost=cost)
+  assert chunk._cache_size() == chunks and prefill._cache_size() == prefills
+  state = result.state
+  new_state, info = chunk(params, jax.tree.map(jnp.copy, state))
+  np.testing.assert_array_equal(new_state.tokens, state.tokens)
+  np.testing.assert_array_equal(new_state.length, state.length)
+  np.testing.assert_array_equal(new_state.target_cache.k, state.target_cache.k)
+  for name in ("tokens", "hidden", "num_pending", "position"):
+    np.testing.assert_array_equal(getattr(new_state.drafter, name),
+                                  getattr(state.drafter, name))
+  assert int(jnp.sum(info.emitted)) == 0 and not bool(jnp.any(info.draft_slots))
+  assert int(jnp.sum(info.draft_rows)) == 0
+
+
+def test_drafter_with_a_cache_and_no_absorb_is_never_gated():
+  cfg, drafter, _ = fx.pair("eagle")
+  engine = E.make_engine(E.EngineConfig(), cfg, drafter._replace(absorb=None))
+  assert not engine.decider.planner.gated
+  assert E.make_engine(E.EngineConfig(), cfg, drafter).decider.planner.gated

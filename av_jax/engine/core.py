@@ -584,41 +584,6 @@ def _sound(logits: jax.Array, log_probs: jax.Array | None) -> jax.Array:
   return sound
 
 
-# ----------------------------------------------------------------------------------------
-# SHIM (issue 14): per-slot drafting verbs of `av_jax.decision`, until they land there. A
-# decider with `draft_slots` is used as its contract says (`draft_slots(state, active)
-# -> [B] bool`, `plan(drafting=[B])`, `keep_drafting(slots=[E])`); without it the
-# batch-level gate stands in: every active slot drafts or none, `plan` gets the step's
-# `[] bool`, `keep_drafting` no slots. On merge: `_per_slot` returns True (or the
-# fallbacks go), nothing else changes.
-def _per_slot(decider: Decider) -> bool:
-  return hasattr(decider, "draft_slots")
-
-
-def _draft_slots(decider: Decider, decision: DecisionState, active: jax.Array) -> jax.Array:
-  """`[B] bool`, the slots that draft this step (`decider.draft_slots`)."""
-  if _per_slot(decider):
-    return decider.draft_slots(decision, active)
-  return decider.drafts(decision) & active  # SHIM
-
-
-def _plan_drafting(decider: Decider, decision: DecisionState, slots: jax.Array) -> jax.Array:
-  """What `decider.plan(drafting=...)` takes: the per-slot mask."""
-  if _per_slot(decider):
-    return slots
-  return decider.drafts(decision)  # SHIM: the batch-level flag
-
-
-def _keep_drafting(decider: Decider, decision: DecisionState, probs, drafted, depth, *,
-                   active, top1, slots):
-  """`decider.keep_drafting` on E rows, `slots [E]` their slot ids (None: all B)."""
-  if _per_slot(decider) and slots is not None:
-    return decider.keep_drafting(decision, probs, drafted, depth, active=active, top1=top1,
-                                 slots=slots)
-  return decider.keep_drafting(decision, probs, drafted, depth, active=active, top1=top1)
-# ---------------------------------------------------------------------------- end of SHIM
-
-
 def _stepwise(engine: Engine) -> bool:
   """The drafting loop evaluates a drafting stop between depths (autoregressive
   drafters that support it, under an arm with a stop)."""
@@ -653,8 +618,8 @@ def _keep_fn(engine: Engine, active: jax.Array, decision: DecisionState,
     top1 = put(top1, jnp.exp(jnp.max(log_probs, axis=-1)))
     drafted = (jnp.arange(K)[None] < depth) & (jnp.cumprod(sound, axis=1) > 0)
     probs = decider.score(decision, features)
-    keep = _keep_drafting(decider, decision, probs, drafted, depth, active=active,
-                          top1=top1, slots=slots)
+    keep = decider.keep_drafting(decision, probs, drafted, depth, active=active, top1=top1,
+                                 slots=slots)
     return keep & ok, (features, sound, top1)
 
   aux0 = (jnp.zeros((B, K), jnp.float32), jnp.zeros((B, K), bool),
@@ -946,8 +911,7 @@ def _gated_step(engine: Engine, params: Params, state: DecodeState, *, key: jax.
   cfg, decider, active = engine.config, engine.decider, state.active
   B = cfg.num_slots
   decision = state.decision
-  slots = _draft_slots(decider, decision, active)                          # [B] bool
-  plan_drafting = _plan_drafting(decider, decision, slots)
+  slots = decider.draft_slots(decision, active)                            # [B] bool
   sizes = cfg.draft_bucket_sizes()
   count = jnp.sum(slots, dtype=jnp.int32)
   branch = jnp.where(count == 0, 0,
@@ -955,7 +919,7 @@ def _gated_step(engine: Engine, params: Params, state: DecodeState, *, key: jax.
   # Drafting slots first (in slot order), then the others: a bucket's padding rows.
   order = jnp.argsort(~slots, stable=True).astype(jnp.int32)
   decide = functools.partial(_decide_and_verify, engine, params, state, decision, key=key,
-                             k_verify=k_verify, slots=slots, plan_drafting=plan_drafting)
+                             k_verify=k_verify, slots=slots, plan_drafting=slots)
 
   def skip():
     def commit(drafts, verdict):

@@ -166,18 +166,25 @@ def cmd_profile(args) -> None:
   print(prof.format_profile(profile))
 
 
+# The demo's concurrencies: a low one, where speculation pays on this CPU, and a high one,
+# where the target is compute-bound and it does not (`--concurrency`; `--slots N` alone: N).
+DEMO_CONCURRENCY = "1,32"
+
+
 def cmd_demo(args) -> None:
   """The main job: a short preset of `compare` (the demo's flags mapped onto it)."""
   start = time.perf_counter()
+  text = args.concurrency or (str(args.slots) if args.slots else DEMO_CONCURRENCY)
+  concurrency = C._int_list("concurrency", text)  # pylint: disable=protected-access
   print(f"av_jax demo = av-jax compare --drafter {args.drafter} --workload {args.workload} "
-        f"--concurrency {args.slots} --arms {args.arms} --repeats {args.repeats} "
+        f"--concurrency {','.join(map(str, concurrency))} --arms {args.arms} --repeats {args.repeats} "
         f"--clock {args.clock} (models={args.models}, K={args.k}, {args.requests} requests x "
         f"{args.max_new} tokens, device={jax.devices()[0].device_kind})", flush=True)
-  result = C.compare(drafters=args.drafter, workloads=args.workload, concurrency=[args.slots],
+  result = C.compare(drafters=args.drafter, workloads=args.workload, concurrency=concurrency,
                      arms=args.arms, repeats=args.repeats, clock=args.clock,
                      models=args.models, max_draft=args.k, max_new=args.max_new,
                      prompt_len=args.prompt_len,
-                     requests_per_slot=max(1, args.requests // args.slots),
+                     requests_per_slot=max(1, args.requests // max(concurrency)),
                      temperature=args.temperature, top_p=args.top_p, seed=args.seed,
                      log=lambda line: print(line, flush=True) if not line.startswith(
                          "  compiled") else None)
@@ -194,6 +201,11 @@ def _demo_preset_args(p: argparse.ArgumentParser) -> None:
   p.add_argument("--clock", type=_clock_type, default="wall",
                  help="wall, DEVICE:SHAPE (e.g. h200:llama3-8b) or a cost-table .json")
   p.add_argument("--json", default=None, help="also write compare's JSON here")
+  p.add_argument("--concurrency", type=_positive_ints, default=None,
+                 help=f"comma-separated concurrencies (default {DEMO_CONCURRENCY}, or --slots "
+                      "alone): the low one shows speculation paying, the high one where the "
+                      "target is compute-bound and it does not")
+  p.set_defaults(slots=None)  # --slots N alone runs concurrency N
 
 
 def _checked(parse):

@@ -37,7 +37,7 @@ def test_counts_match_parameters(rank):
 
 
 def test_v2_shapes_meet_the_compute_ratios():
-  macs = compute.multiply_adds_per_token(models.load_config("configs/models/default_v2.toml"))
+  macs = compute.multiply_adds_per_token(models.load_config("configs/models/default.toml"))
   for kind in ("draft_lm", "block", "block_head"):
     assert macs[kind] <= 0.10 * macs["target"], kind
   assert macs["eagle"] <= 0.15 * macs["target"]

@@ -931,19 +931,26 @@ def _gated_step(engine: Engine, params: Params, state: DecodeState, *, key: jax.
                   commit=commit)
 
   def subset(E):
-    def run():
+    def run() -> Drafts:
       whole = E == B
       idx = jnp.arange(B, dtype=jnp.int32) if whole else order[:E]
       rows = state.drafter if whole else take_slots(state.drafter, idx)
       keep = slots[idx]
       sub = _draft(engine, params, rows, k_draft, decision, active=keep, slots=idx)
-      drafts = _scatter_drafts(engine, state, sub, idx, keep, whole=whole)
-      commit = lambda drafts, verdict: _gated_commit_phase(engine, params, state, drafts,
-                                                           verdict, slots)
-      return decide(drafts, drafting=True, rows=E, packed=True, commit=commit)
+      return _scatter_drafts(engine, state, sub, idx, keep, whole=whole)
     return run
 
-  return jax.lax.switch(branch.astype(jnp.int32), [skip] + [subset(E) for E in sizes])
+  def drafting():
+    # Only drafting differs by bucket: one decide-and-verify program serves them all (a
+    # copy of the verify buckets per draft bucket multiplied the compile time).
+    bucket = jnp.clip(branch - 1, 0, len(sizes) - 1).astype(jnp.int32)
+    drafts = jax.lax.switch(bucket, [subset(E) for E in sizes])
+    commit = lambda drafts, verdict: _gated_commit_phase(engine, params, state, drafts,
+                                                         verdict, slots)
+    return decide(drafts, drafting=True, rows=jnp.asarray(sizes, jnp.int32)[bucket],
+                  packed=True, commit=commit)
+
+  return jax.lax.cond(count == 0, skip, drafting)
 
 
 def step(engine: Engine, params: Params, state: DecodeState) -> tuple[DecodeState, StepInfo]:

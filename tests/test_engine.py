@@ -156,5 +156,9 @@ def test_unprofitable_drafting_is_skipped_and_output_unchanged(kind, mode):
   free = make_cost_model(np.full(B + 1, 1e-3), 1.0 + 0.02 * np.arange(B * (K + 1) + 1))
   result = E.generate(engine, params, PROMPTS, max_new_tokens=MAX_NEW, key=fx.key(0),
                       cost=free, keep_infos=True)
-  assert all(i.drafting.all() for i in result.infos)
+  # (A step with no active slot has nobody to draft for: a target-only step.)
+  drafted = np.concatenate([i.drafting for i in result.infos])
+  num_active = np.concatenate([i.active for i in result.infos])
+  np.testing.assert_array_equal(drafted, num_active > 0)
+  assert num_active.min() == 0 and num_active.max() > 0
   assert [c.tokens for c in result.completions] == want

@@ -374,4 +374,4 @@ def test_shipped_default_loads_and_reproduces_heldout_loss():
   shipped = [f for f in os.listdir(models.assets_dir())
              if f.startswith(("default_", "tokenizer_default"))]
   total = sum(os.path.getsize(os.path.join(models.assets_dir(), f)) for f in shipped)
-  assert total <= 24 * 2**20, total
+  assert total <= 64 * 10**6, total  # issue 11: the shipped files stay within 64 MB

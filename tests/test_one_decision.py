@@ -37,9 +37,10 @@ def test_engine_holds_the_decider_the_benchmark_times():
   engine, _ = _engine("eagle")
   config = engine.config
   cost = E.default_cost(config)
-  # An autoregressive drafter never skips drafting (no gate), sampled drafts: lagged;
-  # `av` stops its drafting by survival stop.
-  planner = dataclasses.replace(config.planner, skip_unprofitable_drafts=False,
+  # EAGLE keeps current by `absorb`, so it may skip drafting (the gate is on); sampled
+  # drafts: lagged; `av` stops its drafting by survival stop.
+  assert engine.decider.planner.gated
+  planner = dataclasses.replace(config.planner, skip_unprofitable_drafts=True,
                                 draft_stop="survival")
   bench = DecisionConfig(num_positions=config.max_draft, draft_ms=tuple(cost.draft_ms.tolist()),
                          verify_ms=tuple(cost.verify_ms.tolist()), policy="lagged",
@@ -72,7 +73,7 @@ def test_engine_decisions_equal_the_verbs_replayed(kind, temperature, policy):
   plan_fn = jax.jit(lambda state, probs, cost, active, drafted: decider.plan(
       state, probs, cost, active=active, drafted=drafted))
   cost = E.default_cost(engine.config)
-  state = decider.init()
+  state = decider.init(engine.config.num_slots)
   for t in range(info.budget.shape[0]):
     probs = score(state, info.features[t])
     np.testing.assert_allclose(probs, info.probs[t], rtol=1e-6, atol=1e-7, err_msg=f"step {t}")

@@ -170,11 +170,17 @@ def renamed(record, where: str = ""):
   return {RENAMED.get(f"{where}/{k}", k): renamed(v, f"{where}/{k}") for k, v in record.items()}
 
 
-def differences(want, got, where: str = "") -> list[str]:
+def differences(want, got, where: str = "", *, rtol: float = 0.0) -> list[str]:
   """Where `got` differs from the recorded `want`, bit for bit (JSON round trip).
 
   Every recorded field must be there and equal; fields added since are not compared.
+  `rtol > 0`: floats need only agree to `rtol` (relative, with an absolute floor of
+  `rtol` near zero); ints, bools and tokens stay exact.
   """
+  if rtol > 0:
+    got = json.loads(json.dumps(got, sort_keys=True))
+    if _close(want, got, rtol):
+      return []
   if isinstance(want, dict):
     if not isinstance(got, dict):
       return [f"{where}: expected a mapping, got {type(got).__name__}"]
@@ -184,7 +190,7 @@ def differences(want, got, where: str = "") -> list[str]:
       if name not in got:
         out.append(f"{where}/{key}: missing")
       else:
-        out += differences(value, got[name], f"{where}/{key}")
+        out += differences(value, got[name], f"{where}/{key}", rtol=rtol)
     return out
   canon = lambda x: json.dumps(x, sort_keys=True)
   got = json.loads(canon(got))
@@ -195,6 +201,19 @@ def differences(want, got, where: str = "") -> list[str]:
     return [f"{where}[{firsts[0]}]: recorded {canon(want[firsts[0]])[:200]}, got "
             f"{canon(got[firsts[0]])[:200]} ({len(firsts)} entries differ)"]
   return [f"{where}: recorded {canon(want)[:200]}, got {canon(got)[:200]}"]
+
+
+def _close(want, got, rtol: float) -> bool:
+  """Equal structure and exact non-floats; floats within `rtol` (see `differences`)."""
+  if isinstance(want, dict):
+    return (isinstance(got, dict) and want.keys() <= got.keys()
+            and all(_close(v, got[k], rtol) for k, v in want.items()))
+  if isinstance(want, list):
+    return (isinstance(got, list) and len(want) == len(got)
+            and all(_close(a, b, rtol) for a, b in zip(want, got)))
+  if isinstance(want, float) and not isinstance(got, bool) and isinstance(got, (int, float)):
+    return abs(want - got) <= rtol * max(1.0, abs(want))
+  return want == got and type(want) is type(got)
 
 
 def load(path: str) -> dict:

@@ -19,7 +19,7 @@ NEXT_TESTS := $(wildcard tests/test_core_*.py) tests/test_decision.py tests/test
   tests/test_lossless.py tests/test_verify_groups.py $(wildcard tests/test_engine*.py) \
   tests/test_faults.py tests/test_sharding.py tests/test_profiling.py tests/test_examples.py
 
-.PHONY: demo test test-next bench-overhead clean
+.PHONY: demo test test-slow test-all test-next bench-overhead clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -37,12 +37,20 @@ $(STAMP_NEXT): pyproject.toml ci/constraints-next.txt
 demo: $(STAMP)
 	$(PY) -m av_jax.cli demo
 
+# `make test` leaves the tests named in tests/SLOW_TESTS.txt (engine and model tests of
+# >= 12 s each: compile-bound) to `make test-slow`; CI runs both; `make test-all` is both.
 test: $(STAMP)
+	$(PY) -m pytest -q -n 2 --dist worksteal -m "not slow" $(PYTEST_ARGS) tests
+
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -n 2 --dist worksteal -m slow $(PYTEST_ARGS) tests
+
+test-all: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist worksteal $(PYTEST_ARGS) tests
 
 test-next: $(STAMP_NEXT)
 	$(PY_NEXT) -c "import sys, jax, flax; print('test-next: Python', sys.version.split()[0], 'jax', jax.__version__, 'flax', flax.__version__)"
-	$(PY_NEXT) -m pytest -q -n 2 --dist worksteal $(PYTEST_ARGS) $(NEXT_TESTS)
+	$(PY_NEXT) -m pytest -q -n 2 --dist worksteal -m "not slow" $(PYTEST_ARGS) $(NEXT_TESTS)
 
 # The bench extra asks for torch>=2.13; installing this build first keeps pip from taking a
 # newer (CUDA, several GB) wheel for the range. Override with TORCH=... elsewhere.

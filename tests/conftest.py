@@ -1,7 +1,43 @@
-"""Shared test fixtures: a jit/no-jit switch for pure functions."""
+"""Shared test fixtures: a jit/no-jit switch for pure functions; the `slow` tier.
+
+`tests/SLOW_TESTS.txt` names the tests that `make test` leaves to `make test-slow` (both
+run in CI, `.ci/run`): they are marked `slow` here at collection. An entry that names no
+collected test fails the run, so a renamed test cannot drop out of both tiers unseen.
+"""
+
+import os
 
 import jax
 import pytest
+
+_SLOW_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "SLOW_TESTS.txt")
+
+
+def _slow_ids() -> set[str]:
+  with open(_SLOW_FILE, encoding="utf-8") as f:
+    lines = (line.strip() for line in f)
+    return {line for line in lines if line and not line.startswith("#")}
+
+
+def pytest_configure(config):
+  config.addinivalue_line("markers", "slow: in tests/SLOW_TESTS.txt; run by make test-slow")
+
+
+def pytest_collection_modifyitems(config, items):
+  del config
+  wanted, seen = _slow_ids(), set()
+  for item in items:
+    node = item.nodeid
+    base = node.split("[", 1)[0]
+    for name in (node, base):
+      if name in wanted:
+        item.add_marker(pytest.mark.slow)
+        seen.add(name)
+  # Only a run that collected a listed test's file can say the entry is stale.
+  files = {item.nodeid.split("::", 1)[0] for item in items}
+  stale = sorted(name for name in wanted - seen if name.split("::", 1)[0] in files)
+  if stale:
+    raise pytest.UsageError(f"tests/SLOW_TESTS.txt names tests that do not exist: {stale}")
 
 
 @pytest.fixture(params=[False, True], ids=["eager", "jit"])

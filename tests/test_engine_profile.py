@@ -37,3 +37,45 @@ def test_profile_measures_every_bucket_and_caches(tmp_path):
   _, fresh = prof.profile_costs(engine, params, repeats=1, cache_dir=str(tmp_path))
   assert not fresh["cached"]
   assert "bucket T" in prof.format_profile(fresh)
+
+
+def test_whole_steps_price_the_tables_at_what_steps_cost():
+  """The whole-step calibration (docs/algorithm.md 8.2): the two regimes run what they
+  say (a gated-off step drafts no row, a full step verifies all B K drafts), and the
+  tables then price those two steps at their measured cost."""
+  cfg, drafter, params = fx.pair("block")
+  engine = E.make_engine(E.EngineConfig(num_slots=2, max_draft=2, max_len=32, mode="av",
+                                        num_buckets=2, steps_per_chunk=2), cfg, drafter)
+  profile = prof.measure(engine, params, repeats=2)
+  steps = profile["step_ms"]
+  assert steps["skip_rows"] == 0 and steps["full_verified"] == 2 * 2
+  assert steps["skip"] > 0 and steps["full"] > 0
+  B, T = 2, 2 * 3
+  cost = prof.cost_model_from_profile(profile, num_slots=B, max_tokens=T)
+  plain = prof.cost_model_from_profile({k: v for k, v in profile.items() if k != "step_ms"},
+                                       num_slots=B, max_tokens=T)
+  extra_verify, extra_draft = prof.step_overheads(profile, num_slots=B, max_tokens=T)
+  assert extra_verify >= 0 and extra_draft >= 0
+  np.testing.assert_allclose(np.asarray(cost.verify_ms)[1:],
+                             np.asarray(plain.verify_ms)[1:] + extra_verify, rtol=1e-6)
+  np.testing.assert_allclose(cost.draft_ms, np.asarray(plain.draft_ms) + extra_draft,
+                             rtol=1e-6)
+  # Where an overhead is positive, the table prices its regime at the measured step.
+  if extra_verify > 0:
+    np.testing.assert_allclose(cost.verify_cost(B), steps["skip"], rtol=1e-5)
+  if extra_draft > 0:
+    np.testing.assert_allclose(cost.draft_cost(B) + cost.verify_cost(T), steps["full"],
+                               rtol=1e-5)
+
+
+def test_step_overheads_from_a_recorded_profile():
+  profile = dict(buckets=[2, 6], bucket_ms=[1.0, 2.0], draft_ms=0.5,
+                 step_ms=dict(skip=1.5, full=4.0))
+  # skip: 1.5 - V(2) = 0.5; full: 4.0 - 0.5 - V(6) - 0.5 = 1.0.
+  assert prof.step_overheads(profile, num_slots=2, max_tokens=6) == pytest.approx((0.5, 1.0))
+  cost = prof.cost_model_from_profile(profile, num_slots=2, max_tokens=6)
+  assert float(cost.verify_cost(2)) == pytest.approx(1.5)
+  assert float(cost.draft_cost(2) + cost.verify_cost(6)) == pytest.approx(4.0)
+  # Steps cheaper than their programs (timing noise) add nothing.
+  cheap = dict(profile, step_ms=dict(skip=0.1, full=0.1))
+  assert prof.step_overheads(cheap, num_slots=2, max_tokens=6) == (0.0, 0.0)

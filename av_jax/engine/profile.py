@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from av_jax.engine import core
+from av_jax.engine import batching, core
 from av_jax.models import drafters
 from av_jax.profiling import median_ms as _median_ms
 from av_jax.profiling import step_cost_model
@@ -80,7 +80,82 @@ def measure(engine: core.Engine, params: core.Params, *, repeats: int = 5) -> di
             drafters.take_slots(state.drafter, jnp.arange(e, dtype=jnp.int32)),
             jax.random.key(1, impl="rbg"), repeats=repeats)
         for e in sizes]
+    profile["step_ms"] = whole_step_ms(engine, params, state, repeats=repeats)
   return profile
+
+
+def whole_step_ms(engine: core.Engine, params: core.Params, state: core.DecodeState, *,
+                  repeats: int = 5) -> dict:
+  """Per-step wall time of the engine's own decode chunk in its two extreme regimes.
+
+  The programs timed above are only part of a step: sampling, rejection over `[B, K+1,
+  V]`, packing, the drafter's commit and catch-up and the decision cost time too, and on
+  a CPU or at small batch they can outweigh the target's forward. This runs the
+  engine's jitted chunk (`batching.compiled`, the very program decoding runs) with every
+  slot active, mid-cache, in two fixed regimes, the gate's state reset before each step:
+  "skip", a gated-off step (no slot drafts, no re-check due: a target-only step of B
+  requests), and "full", every slot drafting all K and verifying them (free verification
+  in the plan, no survival stop). Returns `{"skip": ms, "full": ms, "skip_rows": drafter
+  rows run per skip step, "full_verified": drafts verified per full step}`.
+  """
+  cfg = engine.config
+  B, K, M, S = cfg.num_slots, cfg.max_draft, cfg.max_len, cfg.steps_per_chunk
+  length = jnp.full((B,), max(1, (M - S * (K + 1)) // 2), jnp.int32)
+  planner = state.planner
+  free = make_cost_model(np.zeros(B + 1), 1.0 + 1e-6 * np.arange(B * (K + 1) + 1))
+  free = jax.tree.map(lambda new, old: jnp.asarray(new, old.dtype), free, state.cost)
+  default = state.cost
+  regimes = {
+      "skip": planner._replace(slot_pays=jnp.zeros_like(planner.slot_pays),
+                               next_recheck=jnp.asarray(2**30, planner.step.dtype),
+                               step=jnp.ones_like(planner.step)),
+      "full": planner._replace(slot_pays=jnp.ones_like(planner.slot_pays),
+                               budget=jnp.asarray(B * K, planner.budget.dtype),
+                               tau=jnp.zeros_like(planner.tau),
+                               step=jnp.ones_like(planner.step))}
+  chunk = batching.compiled(engine)[1]
+  out = {}
+  s = jax.tree.map(lambda x: x.copy(), state)  # the chunk donates its state
+  for name, fixed in regimes.items():
+    def fresh(s):  # the same regime on every timed chunk (own buffers: the chunk donates)
+      copy = lambda tree: jax.tree.map(lambda x: x.copy(), tree)
+      return s._replace(active=jnp.ones((B,), bool), length=jnp.array(length, copy=True),
+                        max_new=jnp.full((B,), M, jnp.int32), planner=copy(fixed),
+                        cost=copy(free if name == "full" else default))
+    times, info = [], None
+    for i in range(repeats + 2):  # two warm-up chunks
+      s = jax.block_until_ready(fresh(s))
+      start = time.perf_counter()
+      s, info = jax.block_until_ready(chunk(params, s))
+      if i >= 2:
+        times.append((time.perf_counter() - start) * 1e3 / S)
+    out[name] = float(np.median(times))
+    if name == "skip":
+      out["skip_rows"] = int(np.max(info.draft_rows))
+    else:
+      out["full_verified"] = float(np.mean(info.verified))
+  return out
+
+
+def step_overheads(profile: dict, *, num_slots: int, max_tokens: int) -> tuple[float, float]:
+  """`(verify_ms, draft_ms)` a step costs beyond the programs `measure` times.
+
+  From `profile["step_ms"]`: a gated-off step of B requests costs `skip` where the
+  verify table says `verify(B)`, the difference (>= 0) is added to every verify entry;
+  an all-drafting step costs `full` where the tables say `draft(B) + verify(B (K+1))` +
+  that, the rest (>= 0) is added to every draft entry. (0, 0) for a profile without
+  whole-step times.
+  """
+  steps = profile.get("step_ms")
+  if not steps:
+    return 0.0, 0.0
+  cost = step_cost_model(profile["buckets"], profile["bucket_ms"], profile["draft_ms"],
+                         num_slots=num_slots, max_tokens=max_tokens)
+  verify = np.asarray(cost.verify_ms, np.float64)
+  extra_verify = max(float(steps["skip"]) - float(verify[num_slots]), 0.0)
+  extra_draft = max(float(steps["full"]) - float(profile["draft_ms"])
+                    - float(verify[max_tokens]) - extra_verify, 0.0)
+  return extra_verify, extra_draft
 
 
 def cost_model_from_profile(profile: dict, *, num_slots: int, max_tokens: int) -> CostModel:
@@ -91,19 +166,25 @@ def cost_model_from_profile(profile: dict, *, num_slots: int, max_tokens: int) -
   """
   cost = step_cost_model(profile["buckets"], profile["bucket_ms"], profile["draft_ms"],
                          num_slots=num_slots, max_tokens=max_tokens)
-  if "draft_bucket_ms" not in profile:
-    return cost
-  # R drafting requests cost what the smallest draft bucket E >= R costs (R = 0: the
-  # smallest; a step with none does not draft).
-  sizes = np.asarray(profile["draft_buckets"])
-  index = np.minimum(np.searchsorted(sizes, np.arange(num_slots + 1), side="left"),
-                     len(sizes) - 1)
-  return make_cost_model(np.asarray(profile["draft_bucket_ms"], np.float64)[index],
-                         np.asarray(cost.verify_ms, np.float64))
+  draft = np.asarray(cost.draft_ms, np.float64)
+  if "draft_bucket_ms" in profile:
+    # R drafting requests cost what the smallest draft bucket E >= R costs (R = 0: the
+    # smallest; a step with none does not draft).
+    sizes = np.asarray(profile["draft_buckets"])
+    index = np.minimum(np.searchsorted(sizes, np.arange(num_slots + 1), side="left"),
+                       len(sizes) - 1)
+    draft = np.asarray(profile["draft_bucket_ms"], np.float64)[index]
+  # What whole steps cost beyond the programs (section 8.2): verify entries carry a
+  # target-only step's, draft entries a drafting step's extra.
+  extra_verify, extra_draft = step_overheads(profile, num_slots=num_slots,
+                                             max_tokens=max_tokens)
+  verify = np.asarray(cost.verify_ms, np.float64)
+  verify = np.concatenate([verify[:1], verify[1:] + extra_verify])
+  return make_cost_model(draft + extra_draft, verify)
 
 
 # Bumped whenever what `measure` times changes, so older cached profiles are not reused.
-PROFILE_VERSION = 3  # 3: draft times per draft bucket under the gate
+PROFILE_VERSION = 4  # 3: draft times per draft bucket under the gate; 4: whole steps
 
 
 def cache_key(engine: core.Engine) -> str:
@@ -192,6 +273,9 @@ def format_profile(profile: dict) -> str:
                f"{e}: {ms:.3f} ms" for e, ms in zip(profile["draft_buckets"],
                                                    profile["draft_bucket_ms"]))]
              if "draft_bucket_ms" in profile else []),
+           *([f"whole step (all slots active): gated off {profile['step_ms']['skip']:.3f} ms, "
+              f"all drafting and verified {profile['step_ms']['full']:.3f} ms "
+              f"(docs/algorithm.md 8.2)"] if profile.get("step_ms") else []),
            f"{'bucket T':>9} {'verify ms':>10} {'ms/token':>9}"]
   for size, ms in zip(profile["buckets"], profile["bucket_ms"]):
     lines.append(f"{size:>9} {ms:>10.3f} {ms / size:>9.4f}")

@@ -24,7 +24,6 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-  del config
   wanted, seen = _slow_ids(), set()
   for item in items:
     node = item.nodeid
@@ -33,7 +32,9 @@ def pytest_collection_modifyitems(config, items):
       if name in wanted:
         item.add_marker(pytest.mark.slow)
         seen.add(name)
-  # Only a run that collected a listed test's file can say the entry is stale.
+  # Only a run that collected a listed test's whole file can say the entry is stale.
+  if config.option.keyword or any("::" in str(arg) for arg in config.args):
+    return
   files = {item.nodeid.split("::", 1)[0] for item in items}
   stale = sorted(name for name in wanted - seen if name.split("::", 1)[0] in files)
   if stale:

@@ -49,7 +49,8 @@ def test_whole_steps_price_the_tables_at_what_steps_cost():
   profile = prof.measure(engine, params, repeats=2)
   steps = profile["step_ms"]
   assert steps["skip_rows"] == 0 and steps["full_verified"] == 2 * 2
-  assert steps["skip"] > 0 and steps["full"] > 0
+  assert steps["one_verified"] == 2 and steps["one_rows"] == 1 and steps["full_rows"] == 2
+  assert steps["skip"] > 0 and steps["one"] > 0 and steps["full"] > 0
   B, T = 2, 2 * 3
   cost = prof.cost_model_from_profile(profile, num_slots=B, max_tokens=T)
   plain = prof.cost_model_from_profile({k: v for k, v in profile.items() if k != "step_ms"},
@@ -63,12 +64,13 @@ def test_whole_steps_price_the_tables_at_what_steps_cost():
   # Where an overhead is positive, the table prices its regime at the measured step.
   if extra_verify > 0:
     np.testing.assert_allclose(cost.verify_cost(B), steps["skip"], rtol=1e-5)
-  if extra_draft > 0:
-    np.testing.assert_allclose(cost.draft_cost(B) + cost.verify_cost(T), steps["full"],
+  if extra_draft > 0:  # one drafting slot verifying its K = 2: R + K = 4 tokens
+    np.testing.assert_allclose(cost.draft_cost(1) + cost.verify_cost(B + 2), steps["one"],
                                rtol=1e-5)
 
 
 def test_step_overheads_from_a_recorded_profile():
+  # B = 2, K = 2: buckets of 2 and 6 tokens.
   profile = dict(buckets=[2, 6], bucket_ms=[1.0, 2.0], draft_ms=0.5,
                  step_ms=dict(skip=1.5, full=4.0))
   # skip: 1.5 - V(2) = 0.5; full: 4.0 - 0.5 - V(6) - 0.5 = 1.0.
@@ -76,6 +78,9 @@ def test_step_overheads_from_a_recorded_profile():
   cost = prof.cost_model_from_profile(profile, num_slots=2, max_tokens=6)
   assert float(cost.verify_cost(2)) == pytest.approx(1.5)
   assert float(cost.draft_cost(2) + cost.verify_cost(6)) == pytest.approx(4.0)
+  # With the one-slot regime, the draft extra is measured there: 5.0 - 0.5 - V(4) - 0.5.
+  one = dict(profile, step_ms=dict(skip=1.5, one=5.0, full=4.0))
+  assert prof.step_overheads(one, num_slots=2, max_tokens=6) == pytest.approx((0.5, 2.0))
   # Steps cheaper than their programs (timing noise) add nothing.
   cheap = dict(profile, step_ms=dict(skip=0.1, full=0.1))
   assert prof.step_overheads(cheap, num_slots=2, max_tokens=6) == (0.0, 0.0)

@@ -92,11 +92,13 @@ def whole_step_ms(engine: core.Engine, params: core.Params, state: core.DecodeSt
   V]`, packing, the drafter's commit and catch-up and the decision cost time too, and on
   a CPU or at small batch they can outweigh the target's forward. This runs the
   engine's jitted chunk (`batching.compiled`, the very program decoding runs) with every
-  slot active, mid-cache, in two fixed regimes, the gate's state reset before each step:
-  "skip", a gated-off step (no slot drafts, no re-check due: a target-only step of B
-  requests), and "full", every slot drafting all K and verifying them (free verification
-  in the plan, no survival stop). Returns `{"skip": ms, "full": ms, "skip_rows": drafter
-  rows run per skip step, "full_verified": drafts verified per full step}`.
+  slot active, mid-cache, in three fixed regimes, the gate's state reset before each
+  step: "skip", a gated-off step (no slot drafts, no re-check due: a target-only step of
+  B requests); "one", slot 0 alone drafting all K and verifying them (the smallest draft
+  bucket: the step a gate that keeps a few slots drafting runs most); "full", every slot
+  drafting all K and verifying them (free verification in the plan, no survival stop).
+  Returns `{"skip", "one", "full": ms per step, "skip_rows", "one_rows", "full_rows":
+  drafter rows run, "one_verified", "full_verified": drafts verified per step}`.
   """
   cfg = engine.config
   B, K, M, S = cfg.num_slots, cfg.max_draft, cfg.max_len, cfg.steps_per_chunk
@@ -109,6 +111,10 @@ def whole_step_ms(engine: core.Engine, params: core.Params, state: core.DecodeSt
       "skip": planner._replace(slot_pays=jnp.zeros_like(planner.slot_pays),
                                next_recheck=jnp.asarray(2**30, planner.step.dtype),
                                step=jnp.ones_like(planner.step)),
+      "one": planner._replace(slot_pays=jnp.arange(B) == 0,
+                              budget=jnp.asarray(K, planner.budget.dtype),
+                              tau=jnp.zeros_like(planner.tau),
+                              step=jnp.ones_like(planner.step)),
       "full": planner._replace(slot_pays=jnp.ones_like(planner.slot_pays),
                                budget=jnp.asarray(B * K, planner.budget.dtype),
                                tau=jnp.zeros_like(planner.tau),
@@ -121,7 +127,7 @@ def whole_step_ms(engine: core.Engine, params: core.Params, state: core.DecodeSt
       copy = lambda tree: jax.tree.map(lambda x: x.copy(), tree)
       return s._replace(active=jnp.ones((B,), bool), length=jnp.array(length, copy=True),
                         max_new=jnp.full((B,), M, jnp.int32), planner=copy(fixed),
-                        cost=copy(free if name == "full" else default))
+                        cost=copy(default if name == "skip" else free))
     times, info = [], None
     for i in range(repeats + 2):  # two warm-up chunks
       s = jax.block_until_ready(fresh(s))
@@ -133,7 +139,8 @@ def whole_step_ms(engine: core.Engine, params: core.Params, state: core.DecodeSt
     if name == "skip":
       out["skip_rows"] = int(np.max(info.draft_rows))
     else:
-      out["full_verified"] = float(np.mean(info.verified))
+      out[f"{name}_verified"] = float(np.mean(info.verified))
+      out[f"{name}_rows"] = int(np.max(info.draft_rows))
   return out
 
 
@@ -141,10 +148,13 @@ def step_overheads(profile: dict, *, num_slots: int, max_tokens: int) -> tuple[f
   """`(verify_ms, draft_ms)` a step costs beyond the programs `measure` times.
 
   From `profile["step_ms"]`: a gated-off step of B requests costs `skip` where the
-  verify table says `verify(B)`, the difference (>= 0) is added to every verify entry;
-  an all-drafting step costs `full` where the tables say `draft(B) + verify(B (K+1))` +
-  that, the rest (>= 0) is added to every draft entry. (0, 0) for a profile without
-  whole-step times.
+  verify table says `verify(B)`, the difference (>= 0) is added to every verify entry.
+  A drafting step pays a fixed extra whatever the number of drafting slots (the target's
+  sampling distribution on every packed row, rejection over `[B, K+1, V]`, the scatter of
+  the drafts): measured where a gate spends most drafting steps, on one drafting slot
+  (`one` against `draft(1) + verify(B + K)` + the verify extra; `full` against `draft(B)
+  + verify(B (K+1))` in a profile without `one`), the rest (>= 0) is added to every
+  draft entry. (0, 0) for a profile without whole-step times.
   """
   steps = profile.get("step_ms")
   if not steps:
@@ -153,8 +163,14 @@ def step_overheads(profile: dict, *, num_slots: int, max_tokens: int) -> tuple[f
                          num_slots=num_slots, max_tokens=max_tokens)
   verify = np.asarray(cost.verify_ms, np.float64)
   extra_verify = max(float(steps["skip"]) - float(verify[num_slots]), 0.0)
-  extra_draft = max(float(steps["full"]) - float(profile["draft_ms"])
-                    - float(verify[max_tokens]) - extra_verify, 0.0)
+  K = (max_tokens - num_slots) // num_slots
+  if "one" in steps:
+    draft_one = (profile["draft_bucket_ms"][0] if "draft_bucket_ms" in profile
+                 else profile["draft_ms"])
+    drafting, programs = steps["one"], draft_one + verify[num_slots + K]
+  else:
+    drafting, programs = steps["full"], profile["draft_ms"] + verify[max_tokens]
+  extra_draft = max(float(drafting) - float(programs) - extra_verify, 0.0)
   return extra_verify, extra_draft
 
 
@@ -184,7 +200,7 @@ def cost_model_from_profile(profile: dict, *, num_slots: int, max_tokens: int) -
 
 
 # Bumped whenever what `measure` times changes, so older cached profiles are not reused.
-PROFILE_VERSION = 4  # 3: draft times per draft bucket under the gate; 4: whole steps
+PROFILE_VERSION = 5  # 3: draft times per draft bucket under the gate; 4, 5: whole steps
 
 
 def cache_key(engine: core.Engine) -> str:
@@ -274,8 +290,9 @@ def format_profile(profile: dict) -> str:
                                                    profile["draft_bucket_ms"]))]
              if "draft_bucket_ms" in profile else []),
            *([f"whole step (all slots active): gated off {profile['step_ms']['skip']:.3f} ms, "
-              f"all drafting and verified {profile['step_ms']['full']:.3f} ms "
-              f"(docs/algorithm.md 8.2)"] if profile.get("step_ms") else []),
+              f"one slot drafting {profile['step_ms'].get('one', float('nan')):.3f} ms, "
+              f"all drafting {profile['step_ms']['full']:.3f} ms (docs/algorithm.md 8.2)"]
+             if profile.get("step_ms") else []),
            f"{'bucket T':>9} {'verify ms':>10} {'ms/token':>9}"]
   for size, ms in zip(profile["buckets"], profile["bucket_ms"]):
     lines.append(f"{size:>9} {ms:>10.3f} {ms / size:>9.4f}")

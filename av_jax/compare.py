@@ -44,7 +44,7 @@ from av_jax import costs
 from av_jax import data
 from av_jax import engine as E
 from av_jax import models as M
-from av_jax.arms import ARMS, parse_arm
+from av_jax.arms import ARMS, get_arm, parse_arm
 from av_jax.engine import clock as modelled_clock
 from av_jax.engine import core
 from av_jax.engine import profile as prof
@@ -274,7 +274,7 @@ class Runner:
       params = E.Params(target=pair.target_params, drafter=pair.drafter_params)
       start = time.perf_counter()
       cost = self.tables(pair, slots, arm)
-      if cost is None and arm.mode in ("av", "av_head", "oracle"):
+      if cost is None and (get_arm(arm.mode).adaptive or arm.mode == "oracle"):
         # The oracle is charged with the tables AV plans against (same buckets).
         av_engine = engine if arm.mode != "oracle" else E.make_engine(
             dataclasses.replace(config, mode="av"), pair.cfg, pair.drafter)

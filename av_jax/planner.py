@@ -47,6 +47,8 @@ POLICIES = ("current", "lagged", "fixed", "none")
 # Drafting stops (docs/algorithm.md section 10): "none" drafts all K; "survival" is
 # survival stop (`av_jax.stopping`, adaptive policies); "confidence" is `confstop:T`.
 STOPS = ("none", "survival", "confidence")
+# The gate's relative pay margin is clipped to [-1, _MAX_MARGIN] before smoothing.
+_MAX_MARGIN = 4.0
 DRAFTER_KINDS = ("autoregressive", "parallel")
 
 # The lagged policy's first step verifies everything: a budget above any B * K. It stays
@@ -68,6 +70,8 @@ class PlannerConfig:
                                         # up to this interval; None: 8 x recheck_every
   recheck_slots: int | None = None  # slots a re-check step re-checks (round-robin);
                                     # None: max(1, ceil(B / 8))
+  pay_smoothing: float = 0.3  # weight of the newest step in a drafting slot's smoothed
+                              # pay margin (1: the last step alone decides)
   draft_stop: str = "none"       # one of STOPS: when an autoregressive drafter stops
   stop_margin: float = 0.5       # survival stop: tau = margin * smallest admitted survival
   stop_min_depth: int = 1        # survival stop: every drafting request drafts this many
@@ -81,6 +85,9 @@ class PlannerConfig:
       if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                 or value < 1):
         raise ValueError(f"{name}: expected None or an integer >= 1, got {value!r}")
+    a = self.pay_smoothing
+    if isinstance(a, bool) or not isinstance(a, (int, float)) or not 0.0 < a <= 1.0:
+      raise ValueError(f"pay_smoothing: expected a number in (0, 1], got {a!r}")
     if self.draft_stop not in STOPS:
       raise ValueError(f"draft_stop: expected one of {STOPS}, got {self.draft_stop!r}")
     stopping.check_params(stopping.StopParams(self.stop_margin, self.stop_min_depth))
@@ -112,6 +119,9 @@ class PlannerState(NamedTuple):
   next_recheck: jax.Array | None = None
   # [] int32, re-check steps so far (advances the round-robin re-check group).
   recheck_count: jax.Array | None = None
+  # [B] (or [1]) float32, each slot's smoothed relative pay margin (> 0: its drafts pay;
+  # `slot_pays` is its sign); NaN until the slot is first judged.
+  pay_margin: jax.Array | None = None
 
 
 class Plan(NamedTuple):
@@ -253,14 +263,20 @@ def make_planner(
                         tau=jnp.zeros((), jnp.float32),
                         slot_pays=jnp.ones((1 if num_slots is None else num_slots,), bool),
                         recheck_interval=int32(recheck_every),
-                        next_recheck=int32(recheck_every), recheck_count=int32(0))
+                        next_recheck=int32(recheck_every), recheck_count=int32(0),
+                        pay_margin=jnp.full((1 if num_slots is None else num_slots,),
+                                            jnp.nan, jnp.float32))
 
   def complete(state: PlannerState) -> PlannerState:
     """`state` with None fields (a hand-built state) as `init()` sets them."""
     fresh = init()
     state = state._replace(**{k: getattr(fresh, k) for k in state._fields
                               if getattr(state, k) is None})
-    return state._replace(slot_pays=jnp.reshape(jnp.asarray(state.slot_pays, bool), (-1,)))
+    pays = jnp.reshape(jnp.asarray(state.slot_pays, bool), (-1,))
+    margin = jnp.reshape(jnp.asarray(state.pay_margin, jnp.float32), (-1,))
+    if margin.shape != pays.shape:  # a hand-built verdict without a margin: no evidence
+      margin = jnp.full(pays.shape, jnp.nan, jnp.float32)
+    return state._replace(slot_pays=pays, pay_margin=margin)
 
   def verdicts(state: PlannerState, B: int) -> jax.Array:
     """`[B]` or `[1]` bool, `state.slot_pays` checked against B."""
@@ -465,7 +481,7 @@ def make_planner(
                                drafting_pays=jnp.asarray(state.drafting_pays))
     if gated:
       new_state = _gate_update(state, new_state, pays_before, planned, mask, surv, cost,
-                               R=R, d=d)
+                               R=R, d=d, drafted=drafted)
     mask = (mask | explored[:, None]) & drafting[:, None]
     if drafted is not None:  # verify only what was drafted (a prefix per slot)
       mask = mask & drafted
@@ -475,38 +491,59 @@ def make_planner(
                  drafting=drafted_slots)
     return plan_, new_state
 
-  def _gate_update(state, new_state, pays_before, planned, mask, surv, cost, *, R, d):
+  def _gate_update(state, new_state, pays_before, planned, mask, surv, cost, *, R, d,
+                   drafted=None):
     """The gate's state after a step: per-slot verdicts and the re-check back-off.
 
-    Slot b of D (active, drafted) pays iff g_b d > rho (C - verify_cost(R)), with g_b
-    the expected accepted drafts of b's verified positions, rho = R / verify_cost(R)
-    the tokens per unit cost of a target-only step and C = draft_cost(d) +
-    verify_cost(R + n) this step's cost (docs/algorithm.md section 8); exploration's
-    extra positions are not part of n and g. A `[1]` state judges D as one slot (the
-    batch rule (R + sum_b g_b) / C > rho).
+    Slot b of D (active, drafted) is judged on this step's relative pay margin
+    m_b = g_b d / (rho (C - verify_cost(R))) - 1, with g_b the expected accepted drafts
+    of b's verified positions, rho = R / verify_cost(R) the tokens per unit cost of a
+    target-only step and C = f draft_cost(d) + verify_cost(R + n) this step's cost,
+    f = (deepest drafted depth) / K the share of the drafter passes that ran (1 unless a
+    drafting stop ended the loop early); exploration's extra positions are not part of
+    n and g (docs/algorithm.md section 8). The slot's smoothed margin is
+    `(1 - a) margin + a m_b` while it was drafting on its verdict, and m_b alone when it
+    is judged first or on a re-check after its drafts did not pay (a = `pay_smoothing`);
+    it pays while the smoothed margin is > 0, so one unlucky step does not close the
+    gate on a slot whose drafts pay on average, and a re-check opens it on fresh
+    evidence. A `[1]` state judges D as one slot (the batch rule (R + sum_b g_b) / C >
+    rho).
     """
+    K = mask.shape[1]
     n = jnp.sum(mask, dtype=jnp.int32)  # the plan before exploration
     g = jnp.sum(jnp.where(mask, surv, 0.0), axis=1)  # [B]
     base = cost.verify_cost(R)
-    step_cost = cost.draft_cost(d) + cost.verify_cost(R + n)
+    share = jnp.float32(1.0)
+    if drafted is not None:  # an autoregressive drafter stopped early: fewer passes ran
+      deepest = jnp.max(jnp.where(planned, jnp.sum(drafted, axis=1), 0))
+      share = jnp.where(deepest > 0, deepest / K, 1.0).astype(jnp.float32)
+    step_cost = share * cost.draft_cost(d) + cost.verify_cost(R + n)
+    extra = R * (step_cost - base)  # the drafting step's extra, in token-cost units
     if pays_before.shape[0] == 1 and planned.shape[0] > 1:
-      gain = R + jnp.sum(jnp.where(mask, surv, 0.0))
-      pays = (gain * base > R * step_cost)[None]
+      value = (jnp.sum(jnp.where(mask, surv, 0.0)) * base)[None]
       judged = (d > 0)[None]
     else:
-      pays = g * d.astype(jnp.float32) * base > R * (step_cost - base)
+      value = g * d.astype(jnp.float32) * base
       judged = planned
-    slot_pays = jnp.where(judged, pays, pays_before)
+    # Relative margin, clipped so one outlier step cannot dominate the average; a free
+    # drafting step (extra <= 0) pays whatever it gains.
+    m = jnp.where(extra > 0, value / jnp.maximum(extra, 1e-30) - 1.0, _MAX_MARGIN)
+    m = jnp.clip(m, -1.0, _MAX_MARGIN).astype(jnp.float32)
+    prior = state.pay_margin
+    fresh = jnp.isnan(prior) | ~pays_before
+    a = jnp.float32(config.pay_smoothing)
+    margin = jnp.where(judged, jnp.where(fresh, m, (1.0 - a) * prior + a * m), prior)
+    slot_pays = jnp.where(judged, margin > 0, pays_before)
     # Back-off: a re-check step on which some slot drafted either found a slot whose
     # drafts pay (the interval resets) or not (it doubles, capped); one on which no slot
     # drafted does not count (the next exploration step re-checks).
     counted = rechecking(state) & (d > 0)
-    found = jnp.any(judged & pays)
+    found = jnp.any(judged & slot_pays)
     interval = jnp.where(found, jnp.int32(recheck_every),
                          jnp.minimum(2 * state.recheck_interval, max_recheck_every))
     interval = jnp.where(counted, interval, state.recheck_interval).astype(jnp.int32)
     return new_state._replace(
-        slot_pays=slot_pays, drafting_pays=jnp.any(slot_pays),
+        slot_pays=slot_pays, drafting_pays=jnp.any(slot_pays), pay_margin=margin,
         recheck_interval=interval,
         next_recheck=jnp.where(counted, state.step + interval, state.next_recheck),
         recheck_count=state.recheck_count + counted.astype(jnp.int32))

@@ -142,6 +142,99 @@ def test_batch_state_is_the_batch_rule():
     assert bool(new.slot_pays[0]) == batch == want
 
 
+def _margins(probs, cost, active, drafting, share=1.0):
+  """The relative pay margin m_b = g_b d / (rho (C - verify_cost(R))) - 1 in NumPy, C
+  charging `share` of the drafting cost; NaN for slots not judged."""
+  probs, active, drafting = map(np.asarray, (probs, active, drafting))
+  _, mask = _reference_pays(probs, cost, active, drafting)
+  draft_ms, verify_ms = (np.asarray(t, np.float64) for t in (cost.draft_ms, cost.verify_ms))
+  surv = np.cumprod(probs.astype(np.float64), axis=1)
+  D = active & drafting
+  R, d, n = int(active.sum()), int(D.sum()), int(mask.sum())
+  g = np.where(mask, surv, 0.0).sum(axis=1)
+  extra = R * (share * draft_ms[d] + verify_ms[R + n] - verify_ms[R])
+  m = np.clip(g * d * verify_ms[R] / extra - 1.0, -1.0, 4.0)
+  return np.where(D, m, np.nan)
+
+
+def test_one_bad_step_does_not_close_a_paying_slot_and_a_recheck_opens_on_fresh_evidence():
+  """The verdict is the sign of a smoothed margin: a slot judged first takes the step's
+  margin; while it drafts on its verdict the margin is (1 - a) old + a new, so one bad
+  step after good ones leaves it open and a run of bad steps closes it; a closed slot
+  re-checked takes the fresh margin alone. pay_smoothing = 1 is the single-step rule."""
+  a = 0.3
+  planner, cost = _planner(pay_smoothing=a), _step_cost()
+  active = jnp.ones((B,), bool)
+  good, bad = _half_probs(0.9, 0.9), _half_probs(0.02, 0.02)
+  m_good = _margins(good, cost, active, np.ones(B, bool))
+  m_bad = _margins(bad, cost, active, np.ones(B, bool))
+  assert (m_good > 0).all() and (m_bad < 0).all()  # the instance separates them
+  state = planner.init(B)._replace(step=jnp.int32(1))
+  assert np.isnan(np.asarray(state.pay_margin)).all()
+  margins = []
+  for t, probs in enumerate([good, good, bad, bad, bad]):
+    state = state._replace(step=jnp.int32(4 * t + 1))  # never an exploration step
+    drafting = planner.draft_slots(state, active)
+    _, state = planner.plan(state, probs, cost, active=active, drafting=drafting)
+    margins.append(np.asarray(state.pay_margin))
+  want = m_good
+  np.testing.assert_allclose(margins[0], want, rtol=1e-5)
+  for t, m in enumerate([m_good, m_bad, m_bad, m_bad], start=1):
+    if (want > 0).all():
+      want = (1 - a) * want + a * m
+    np.testing.assert_allclose(margins[t], want, rtol=1e-4, atol=1e-6)
+  opened = [bool((mm > 0).all()) for mm in margins]
+  closed = [bool((mm <= 0).all()) for mm in margins]
+  assert opened[2], "one bad step after two good ones closed the gate"
+  assert closed[-1], "three bad steps in a row left the gate open"
+  np.testing.assert_array_equal(state.slot_pays, np.asarray(margins[-1]) > 0)
+  # A re-check of the closed slots judges them on the fresh margin alone.
+  recheck = state._replace(step=jnp.int32(0), next_recheck=jnp.int32(0),
+                           recheck_count=jnp.int32(0))
+  drafting = planner.draft_slots(recheck, active)
+  assert np.asarray(drafting).any()
+  _, after = planner.plan(recheck, good, cost, active=active, drafting=drafting)
+  judged = np.asarray(drafting)
+  np.testing.assert_allclose(np.asarray(after.pay_margin)[judged],
+                             _margins(good, cost, active, judged)[judged], rtol=1e-5)
+  assert np.asarray(after.slot_pays)[judged].all()
+  # pay_smoothing = 1: the single-step rule, the last step alone decides.
+  single = _planner(pay_smoothing=1.0)
+  s1 = single.init(B)._replace(step=jnp.int32(1))
+  for t, probs in enumerate([good, good, bad]):
+    s1 = s1._replace(step=jnp.int32(4 * t + 1))
+    _, s1 = single.plan(s1, probs, cost, active=active, drafting=single.draft_slots(s1, active))
+  assert not np.asarray(s1.slot_pays).any()
+
+
+def test_a_stopped_drafting_loop_is_charged_the_passes_that_ran():
+  """With `drafted` a prefix of depth j < K in every slot (a drafting stop), the step is
+  charged j / K of the drafting cost: a verdict that flips between the full and the
+  partial charge."""
+  planner = _planner()
+  cost = av_jax.make_cost_model(np.full(B + 1, 2.0), 1.0 + 0.02 * np.arange(B * (K + 1) + 1))
+  active = jnp.ones((B,), bool)
+  probs = jnp.full((B, K), 0.7, jnp.float32)
+  drafted = jnp.asarray(np.arange(K)[None] < 1) & active[:, None]   # depth 1 of K = 4
+  state = planner.init(B)._replace(step=jnp.int32(1))
+  _, full = planner.plan(state, probs, cost, active=active, drafting=active)
+  _, part = planner.plan(state, probs, cost, active=active, drafting=active, drafted=drafted)
+  # Reference margins: the partial step verifies at most depth 1 of every slot.
+  masked = jnp.where(drafted, probs, 0.0)
+  want_part = _margins(masked, cost, active, np.ones(B, bool), share=1 / K)
+  np.testing.assert_allclose(np.asarray(part.pay_margin), want_part, rtol=1e-5)
+  charged_all = _margins(masked, cost, active, np.ones(B, bool), share=1.0)
+  assert (charged_all < 0).all() and (want_part > 0).all()  # the charge decides
+  assert np.asarray(part.slot_pays).all()
+  assert np.isfinite(np.asarray(full.pay_margin)).all()
+
+
+def test_pay_smoothing_is_checked():
+  for bad in (0.0, 1.5, -0.1, True, "x"):
+    with pytest.raises(ValueError, match="pay_smoothing"):
+      _planner(pay_smoothing=bad)
+
+
 # ----------------------------------------------------------------------------------------
 # Exactness: drafting decisions read earlier steps only.
 

@@ -16,6 +16,7 @@ import jax
 import numpy as np
 
 from av_jax import data
+from av_jax.arms import get_arm
 from av_jax._flags import at_least, model_set, temperature, top_p
 from av_jax import engine as E
 from av_jax import models as M
@@ -54,7 +55,7 @@ def run_modes(pair, *, modes, slots, k, requests, prompt_len, max_new, temperatu
                             steps_per_chunk=8, refit_interval=20)
     engine = E.make_engine(config, pair.cfg, pair.drafter)
     cost = None
-    if mode in ("av", "av_head"):
+    if get_arm(mode).adaptive:
       start = time.perf_counter()
       cost, profile = prof.profile_costs(engine, params)
       log(f"[{mode}] cost profile ({time.perf_counter() - start:.1f} s):\n"

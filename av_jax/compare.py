@@ -298,12 +298,13 @@ class Runner:
     (`tokens_per_s` and `per_request_tokens_per_s` are the runner's clock's)."""
     engine, cost = self.engine(pair, slots, arm, prompts)
     params = E.Params(target=pair.target_params, drafter=pair.drafter_params)
-    active, verified, drafted = [], [], []
+    active, verified, drafted, emitted = [], [], [], []
 
     def on_chunk(state, info):
       active.append(info.active)
       verified.append(info.verified)
       drafted.append(info.drafting)
+      emitted.append(info.emitted)
 
     tables = self.tables(pair, slots, arm)
     start = time.perf_counter()
@@ -338,6 +339,16 @@ class Runner:
                verified_per_step=float(verified[busy].mean()) if busy.any() else 0.0,
                acceptance=s["accepted"] / max(s["labeled"], 1),
                drafted_share=float(drafted[busy].mean()) if busy.any() else 0.0)
+    # Steady state on the wall clock: the chunks on which every slot was busy on every
+    # step (the tail of a closed request set, where slots idle, is left out), their
+    # tokens over their chunk seconds (prefills between chunks are not in them).
+    full = [bool(np.all(np.asarray(a) == slots)) for a in active]
+    full_s = sum(t for t, f in zip(result.chunk_seconds, full) if f)
+    full_tokens = sum(int(np.sum(e)) for e, f in zip(emitted, full) if f)
+    steady = full_tokens / full_s if full_s > 0 else 0.0
+    row.update(steady_tokens_per_s=steady, steady_per_request_tokens_per_s=steady / slots,
+               steady_steps=int(sum(np.asarray(a).size for a, f in zip(active, full) if f)),
+               wall_steady_tokens_per_s=steady)
     if result.modelled is not None:
       m = result.modelled
       row.update(tokens_per_s=m["tokens_per_s"],
@@ -433,6 +444,7 @@ def records(rows: Sequence[dict]) -> list[dict]:
                drafted_share=med("drafted_share"),
                steady_tokens_per_s=med("steady_tokens_per_s"),
                steady_per_request_tokens_per_s=med("steady_per_request_tokens_per_s"),
+               wall_steady_tokens_per_s=med("wall_steady_tokens_per_s"),
                repeats=[{k: r[k] for k in ("repeat", "tokens_per_s",
                                            "per_request_tokens_per_s", "wall_tokens_per_s",
                                            "wall_per_request_tokens_per_s", "seconds",
@@ -449,6 +461,10 @@ def records(rows: Sequence[dict]) -> list[dict]:
     rec["best_static"] = best and best["arm"]
     rec["vs_best_static"] = (rec["tokens_per_s"] / best["tokens_per_s"]
                              if best is not None else None)
+    steady_best = max((r["steady_tokens_per_s"] or 0.0 for r in static), default=0.0)
+    rec["steady_vs_best_static"] = (rec["steady_tokens_per_s"] / steady_best
+                                    if steady_best > 0 and rec["steady_tokens_per_s"]
+                                    else None)
     if ARMS[rec["mode"]].adaptive:
       rec["vs"] = {r["arm"]: rec["tokens_per_s"] / r["tokens_per_s"] for r in group
                    if r["arm"] != rec["arm"]}
@@ -575,12 +591,16 @@ def format_group(group: Sequence[dict]) -> str:
   head = (f"{g['drafter']} / {g['workload']} / concurrency {g['concurrency']}  "
           f"[{kind}: {label}]")
   lines = [head, f"  {'arm':>12} {'tok/s':>10} {'tok/s/req':>10} {'vs best static':>14} "
-                 f"{'tok/step':>8} {'accept':>6} {'wall tok/s':>10}"]
+                 f"{'tok/step':>8} {'accept':>6} {'wall tok/s':>10} {'steady tok/s':>12} "
+                 f"{'steady vs best':>14}"]
   for r in group:
     vs = "" if r["vs_best_static"] is None else f"{r['vs_best_static']:.3f}"
+    steady = "" if r.get("steady_tokens_per_s") is None else f"{r['steady_tokens_per_s']:.1f}"
+    svs = "" if r.get("steady_vs_best_static") is None else f"{r['steady_vs_best_static']:.3f}"
     lines.append(f"  {r['arm']:>12} {r['tokens_per_s']:10.1f} "
                  f"{r['per_request_tokens_per_s']:10.1f} {vs:>14} {r['tokens_per_step']:8.2f} "
-                 f"{r['acceptance']:6.3f} {r['wall_tokens_per_s']:10.1f}")
+                 f"{r['acceptance']:6.3f} {r['wall_tokens_per_s']:10.1f} {steady:>12} "
+                 f"{svs:>14}")
   for r in group:
     if "vs" in r:
       lines.append(f"  {r['arm']} vs best static ({r['best_static']}): "

@@ -60,6 +60,13 @@ def test_compare_json_schema_and_ratios(clock, tmp_path):
     assert "clock_label" not in av
     for r in recs.values():  # the wall clock's figure is the wall figure
       assert r["tokens_per_s"] == pytest.approx(r["wall_tokens_per_s"])
+      # Steady state: the chunks with every slot busy, a subset of the run's steps.
+      assert r["steady_tokens_per_s"] > 0
+      assert r["steady_tokens_per_s"] == pytest.approx(r["wall_steady_tokens_per_s"])
+      for x in r["repeats"]:
+        assert 0 < x["steady_steps"] <= x["steps"]
+    assert av["steady_vs_best_static"] == pytest.approx(
+        av["steady_tokens_per_s"] / fixed["steady_tokens_per_s"])
   else:
     assert av["clock_label"].startswith("modelled: h200, target llama3-8b, llama3-8b-dflash")
     assert s["drafter_shapes"] == {"block": "llama3-8b-dflash"} and s["context_len"] == 256
@@ -93,3 +100,21 @@ def test_arm_names_come_from_the_registry():
   assert [(a.mode, a.k) for a in arms] == [("target_only", 1), ("fixed", 4), ("av", 6),
                                            ("oracle", 3)]
   assert [a.static for a in arms] == [True, True, False, False]
+
+
+def test_every_adaptive_arm_plans_with_profiled_tables():
+  """`av-no-stop` (like `av`) plans with the engine's profiled tables, not the default
+  ones (it used the defaults before, so it decided as if every step cost the same)."""
+  pair = _pair("block")
+  runner = C.Runner(temperature=1.0, top_p=1.0, max_len=24, refit_interval=4,
+                    steps_per_chunk=4, log=lambda line: None)
+  prompts = _prompts(pair, "code", num=2, length=6, seed=0)
+  for name in ("av-no-stop", "fixed:2"):
+    arm = C.parse_arms(name, max_draft=2)[0]
+    _, cost = runner.engine(pair, 2, arm, prompts)
+    profiled = runner.profile(pair, 2, arm)
+    if name == "fixed:2":
+      assert profiled is None and cost is None
+    else:
+      assert profiled is not None and cost is not None
+      assert np.asarray(cost.verify_ms).shape[0] > 1

@@ -50,6 +50,9 @@ class GenerateResult:
   # modelled seconds, tokens/s and per-request tokens/s, and its "modelled: ..." label),
   # next to the wall clock, never instead of it. None under the wall clock.
   modelled: dict | None = None
+  # Wall seconds of each decode chunk (dispatch to its step records on the host; the
+  # prefills between chunks are not in them), in chunk order.
+  chunk_seconds: list[float] = dataclasses.field(default_factory=list)
 
 
 def _prompt_bucket(length: int, max_prompt: int) -> int:
@@ -245,6 +248,7 @@ def generate(engine: core.Engine, params: core.Params, prompts: Sequence[Sequenc
 
   state = settle(state)
   chunks = 0
+  chunk_seconds: list[float] = []
   stopped = False
   while any(o >= 0 for o in owner):
     if stop_after_chunks is not None and chunks >= stop_after_chunks:
@@ -255,7 +259,10 @@ def generate(engine: core.Engine, params: core.Params, prompts: Sequence[Sequenc
             num_requests=len(prompts), owner=owner, waiting=waiting,
             completions=[None if c is None else dataclasses.asdict(c) for c in completions]))
       break
+    began = time.perf_counter()
     state, info = chunk(params, state)
+    jax.block_until_ready(info.emitted)  # the loop syncs in `settle` anyway
+    chunk_seconds.append(time.perf_counter() - began)
     chunks += 1
     if keep_infos:
       infos.append(distributed.fetch(info))
@@ -281,7 +288,7 @@ def generate(engine: core.Engine, params: core.Params, prompts: Sequence[Sequenc
         tables)  # this run's tokens (stats are running totals of a continued state)
   return GenerateResult(completions=completions, stats=stats, infos=infos, state=state,
                         stopped=stopped, wall_s=time.perf_counter() - start,
-                        modelled=modelled)
+                        modelled=modelled, chunk_seconds=chunk_seconds)
 
 
 def _modelled_tables(clock, cost) -> CostTables | None:

@@ -298,13 +298,14 @@ class Runner:
     (`tokens_per_s` and `per_request_tokens_per_s` are the runner's clock's)."""
     engine, cost = self.engine(pair, slots, arm, prompts)
     params = E.Params(target=pair.target_params, drafter=pair.drafter_params)
-    active, verified, drafted, emitted = [], [], [], []
+    active, verified, drafted, emitted, passes = [], [], [], [], []
 
     def on_chunk(state, info):
       active.append(info.active)
       verified.append(info.verified)
       drafted.append(info.drafting)
       emitted.append(info.emitted)
+      passes.append(info.draft_passes)
 
     tables = self.tables(pair, slots, arm)
     start = time.perf_counter()
@@ -322,6 +323,7 @@ class Runner:
     active = np.concatenate([np.asarray(a) for a in active])
     verified = np.concatenate([np.asarray(v) for v in verified])
     drafted = np.concatenate([np.asarray(d) for d in drafted])
+    passes = np.concatenate([np.asarray(p) for p in passes])
     busy = active > 0
     s = result.stats
     if before is not None:
@@ -338,7 +340,10 @@ class Runner:
                tokens_per_step=s["emitted"] / max(int(busy.sum()), 1),
                verified_per_step=float(verified[busy].mean()) if busy.any() else 0.0,
                acceptance=s["accepted"] / max(s["labeled"], 1),
-               drafted_share=float(drafted[busy].mean()) if busy.any() else 0.0)
+               drafted_share=float(drafted[busy].mean()) if busy.any() else 0.0,
+               # drafter passes per busy step (K per drafting step of an autoregressive
+               # drafter without a stop, 1 for a parallel one, 0 when not drafting)
+               draft_passes_per_step=float(passes[busy].mean()) if busy.any() else 0.0)
     # Steady state on the wall clock: the chunks on which every slot was busy on every
     # step (the tail of a closed request set, where slots idle, is left out), their
     # tokens over their chunk seconds (prefills between chunks are not in them).
@@ -442,6 +447,7 @@ def records(rows: Sequence[dict]) -> list[dict]:
                tokens_per_step=med("tokens_per_step"),
                verified_per_step=med("verified_per_step"), acceptance=med("acceptance"),
                drafted_share=med("drafted_share"),
+               draft_passes_per_step=med("draft_passes_per_step"),
                steady_tokens_per_s=med("steady_tokens_per_s"),
                steady_per_request_tokens_per_s=med("steady_per_request_tokens_per_s"),
                wall_steady_tokens_per_s=med("wall_steady_tokens_per_s"),
@@ -592,7 +598,7 @@ def format_group(group: Sequence[dict]) -> str:
           f"[{kind}: {label}]")
   lines = [head, f"  {'arm':>12} {'tok/s':>10} {'tok/s/req':>10} {'vs best static':>14} "
                  f"{'tok/step':>8} {'accept':>6} {'wall tok/s':>10} {'steady tok/s':>12} "
-                 f"{'steady vs best':>14}"]
+                 f"{'steady vs best':>14} {'passes/step':>11}"]
   for r in group:
     vs = "" if r["vs_best_static"] is None else f"{r['vs_best_static']:.3f}"
     steady = "" if r.get("steady_tokens_per_s") is None else f"{r['steady_tokens_per_s']:.1f}"
@@ -600,7 +606,7 @@ def format_group(group: Sequence[dict]) -> str:
     lines.append(f"  {r['arm']:>12} {r['tokens_per_s']:10.1f} "
                  f"{r['per_request_tokens_per_s']:10.1f} {vs:>14} {r['tokens_per_step']:8.2f} "
                  f"{r['acceptance']:6.3f} {r['wall_tokens_per_s']:10.1f} {steady:>12} "
-                 f"{svs:>14}")
+                 f"{svs:>14} {r.get('draft_passes_per_step') or 0.0:11.2f}")
   for r in group:
     if "vs" in r:
       lines.append(f"  {r['arm']} vs best static ({r['best_static']}): "

@@ -23,9 +23,10 @@ step counter (so independently of every draw), verifies all K positions. A pessi
 estimator that would verify nothing still receives labels at every depth and recovers.
 
 Skip-drafting gate (`skip_unprofitable_drafts`, docs/algorithm.md section 8): per slot.
-`draft_slots(state, active)` says which slots draft this step: those whose drafts paid at
-their last drafting step, plus, on a re-check step, a round-robin group of
-`recheck_slots` slots; `plan` then re-evaluates every slot that drafted.
+`draft_slots(state, active)` says which slots draft this step: those whose drafts pay (a
+smoothed margin over their drafting steps, `pay_smoothing`), plus, on a re-check step, a
+round-robin group of `recheck_slots` slots; `plan` then re-evaluates every slot that
+drafted.
 """
 
 from __future__ import annotations
@@ -120,7 +121,7 @@ class PlannerState(NamedTuple):
   # [] int32, re-check steps so far (advances the round-robin re-check group).
   recheck_count: jax.Array | None = None
   # [B] (or [1]) float32, each slot's smoothed relative pay margin (> 0: its drafts pay;
-  # `slot_pays` is its sign); NaN until the slot is first judged.
+  # `slot_pays` is its sign); +inf until the slot is first judged (never NaN).
   pay_margin: jax.Array | None = None
 
 
@@ -180,9 +181,10 @@ def make_planner(
       * `initial_budget`: lagged policy's budget at the first step (default: everything).
       * `skip_unprofitable_drafts`: gate drafting per slot (policies "current" and
         "lagged" with exploration only; docs/algorithm.md section 8). A slot drafts while
-        its drafts paid at its last drafting step (`PlannerState.slot_pays`, True
-        initially): its expected accepted drafts outweigh its share of the extra cost
-        of drafting, measured in tokens of a target-only step. A slot whose drafts did
+        its drafts pay (`PlannerState.slot_pays`, True initially): its smoothed pay
+        margin (`PlannerState.pay_margin`, see `pay_smoothing`) is positive, i.e. its
+        expected accepted drafts outweigh its share of the extra cost of drafting,
+        measured in tokens of a target-only step. A slot whose drafts did
         not pay drafts again on a re-check step, when it is in that step's round-robin
         group of `recheck_slots` slots. Re-check steps are exploration steps at least
         `recheck_interval` steps apart; the interval doubles (up to
@@ -193,6 +195,9 @@ def make_planner(
       * `recheck_every`: the re-check interval; a multiple of `explore_every`, default
         4 x `explore_every`. `max_recheck_every`: its cap under back-off, a multiple of
         `explore_every` >= `recheck_every`, default 8 x `recheck_every`.
+      * `pay_smoothing`: weight a in (0, 1] of the newest step in a drafting slot's
+        margin, `(1 - a) margin + a m`; a slot judged first, or re-checked after its
+        drafts did not pay, takes the step's margin m alone; 1 is the single-step rule.
       * `recheck_slots`: slots per re-check (E), default max(1, ceil(B / 8)); the groups
         are consecutive windows of E active slots (in slot order), so all R active slots
         are re-checked within ceil(R / E) re-checks.
@@ -265,7 +270,7 @@ def make_planner(
                         recheck_interval=int32(recheck_every),
                         next_recheck=int32(recheck_every), recheck_count=int32(0),
                         pay_margin=jnp.full((1 if num_slots is None else num_slots,),
-                                            jnp.nan, jnp.float32))
+                                            jnp.inf, jnp.float32))
 
   def complete(state: PlannerState) -> PlannerState:
     """`state` with None fields (a hand-built state) as `init()` sets them."""
@@ -275,7 +280,7 @@ def make_planner(
     pays = jnp.reshape(jnp.asarray(state.slot_pays, bool), (-1,))
     margin = jnp.reshape(jnp.asarray(state.pay_margin, jnp.float32), (-1,))
     if margin.shape != pays.shape:  # a hand-built verdict without a margin: no evidence
-      margin = jnp.full(pays.shape, jnp.nan, jnp.float32)
+      margin = jnp.full(pays.shape, jnp.inf, jnp.float32)
     return state._replace(slot_pays=pays, pay_margin=margin)
 
   def verdicts(state: PlannerState, B: int) -> jax.Array:
@@ -530,7 +535,7 @@ def make_planner(
     m = jnp.where(extra > 0, value / jnp.maximum(extra, 1e-30) - 1.0, _MAX_MARGIN)
     m = jnp.clip(m, -1.0, _MAX_MARGIN).astype(jnp.float32)
     prior = state.pay_margin
-    fresh = jnp.isnan(prior) | ~pays_before
+    fresh = jnp.isinf(prior) | ~pays_before  # +inf: never judged
     a = jnp.float32(config.pay_smoothing)
     margin = jnp.where(judged, jnp.where(fresh, m, (1.0 - a) * prior + a * m), prior)
     slot_pays = jnp.where(judged, margin > 0, pays_before)

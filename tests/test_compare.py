@@ -65,6 +65,8 @@ def test_compare_json_schema_and_ratios(clock, tmp_path):
       assert r["steady_tokens_per_s"] == pytest.approx(r["wall_steady_tokens_per_s"])
       for x in r["repeats"]:
         assert 0 < x["steady_steps"] <= x["steps"]
+      # A parallel drafter runs one pass per drafting step.
+      assert 0 < r["draft_passes_per_step"] <= 1.0
     assert av["steady_vs_best_static"] == pytest.approx(
         av["steady_tokens_per_s"] / fixed["steady_tokens_per_s"])
   else:

@@ -99,7 +99,10 @@ def parse_arms(arms: str | Sequence[str], *, max_draft: int = 8) -> list[ArmSpec
     except ValueError as e:
       raise ValueError(f"arms: {e}; known arms: {tuple(ARMS)} (drafting ones as NAME:K)"
                        ) from None
-    out.append(ArmSpec(item, arm.name, (k or max_draft) if arm.drafts else 1))
+    # The engine's mode carries a confidence stop's threshold ("confstop:0.8"); the bare
+    # arm name would fall back to the default T.
+    mode = f"{arm.name}:{arm.threshold}" if arm.threshold is not None else arm.name
+    out.append(ArmSpec(item, mode, (k or max_draft) if arm.drafts else 1))
   if len({a.name for a in out}) != len(out):
     raise ValueError(f"arms: each arm at most once, got {items}")
   return out
@@ -471,7 +474,7 @@ def records(rows: Sequence[dict]) -> list[dict]:
     rec["steady_vs_best_static"] = (rec["steady_tokens_per_s"] / steady_best
                                     if steady_best > 0 and rec["steady_tokens_per_s"]
                                     else None)
-    if ARMS[rec["mode"]].adaptive:
+    if get_arm(rec["mode"]).adaptive:
       rec["vs"] = {r["arm"]: rec["tokens_per_s"] / r["tokens_per_s"] for r in group
                    if r["arm"] != rec["arm"]}
     front = pareto_front([(r["per_request_tokens_per_s"], r["tokens_per_s"]) for r in group])

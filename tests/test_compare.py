@@ -120,3 +120,16 @@ def test_every_adaptive_arm_plans_with_profiled_tables():
     else:
       assert profiled is not None and cost is not None
       assert np.asarray(cost.verify_ms).shape[0] > 1
+
+
+def test_confidence_thresholds_reach_the_engine():
+  """`confstop:0.5` and `confstop:0.8` are two engines with their own T (the mode used to
+  be the bare arm name, so every confstop arm ran at the default T = 0.5)."""
+  from av_jax import engine as E
+  arms = C.parse_arms("confstop:0.5,confstop:0.8,confstop,av", max_draft=4)
+  assert [a.mode for a in arms] == ["confstop:0.5", "confstop:0.8", "confstop:0.5", "av"]
+  for arm, want in zip(arms[:3], (0.5, 0.8, 0.5)):
+    config = E.EngineConfig(num_slots=2, max_draft=arm.k, max_len=24, mode=arm.mode)
+    engine = E.make_engine(config, *fx.pair("eagle")[:2])
+    assert engine.arm.threshold == want
+    assert engine.decider.planner.config.confidence_threshold == want

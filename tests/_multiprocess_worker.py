@@ -1,12 +1,18 @@
 """One process of the multi-process engine run (see test_multiprocess.py).
 
-    python -m tests._multiprocess_worker PROCESS_ID NUM_PROCESSES PORT OUT_JSON [--reference]
+    python -m tests._multiprocess_worker PROCESS_ID NUM_PROCESSES PORT OUT_JSON
+    python -m tests._multiprocess_worker --reference OUT_JSON
 
 Starts JAX's distributed runtime with 4 fake CPU devices in this process, decodes the
 requests over one global (4 data x 2 model) mesh spanning every process, and writes to
 OUT_JSON the tokens and, after every chunk, the estimator coefficients of each of this
-process's replicas. With `--reference` it first decodes the same requests on one local
-device (the single-process run) and writes those too.
+process's replicas. With `--reference` it decodes the same requests on one local device
+(the single-process run) without the distributed runtime, and writes those.
+
+The reference runs in a process of its own, before the workers: run inside worker 0 it
+kept worker 1 waiting at its first cross-process collective for as long as the reference
+took, and under load that outlasted Gloo's connect timeout (a CI failure). The workers
+also meet at a coordinator barrier before decoding.
 """
 
 import json
@@ -16,7 +22,9 @@ from av_jax.engine import distributed
 
 LOCAL_DEVICES = 4
 
-if __name__ == "__main__":
+REFERENCE = sys.argv[1] == "--reference"
+
+if __name__ == "__main__" and not REFERENCE:
   # Before anything touches a JAX backend.
   _pid, _num, _port = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
   distributed.initialize(f"127.0.0.1:{_port}", num_processes=_num, process_id=_pid,
@@ -64,13 +72,17 @@ def decode(engine, params, mesh=None):
 
 
 def main() -> None:
-  out_path = sys.argv[4]
   engine, params = make_engine()
+  if REFERENCE:
+    reference, _ = decode(engine, params)             # one local device, no mesh
+    with open(sys.argv[2], "w") as f:
+      json.dump(reference, f)
+    return
+  out_path = sys.argv[4]
   out = dict(process_index=jax.process_index(), process_count=jax.process_count(),
              local_devices=len(jax.local_devices()), global_devices=jax.device_count())
-  if "--reference" in sys.argv:
-    out["reference"], _ = decode(engine, params)       # one local device, no mesh
   mesh = distributed.global_mesh(model=2)
+  distributed.barrier("av_jax_test_decode", timeout_s=300)
   with jax.set_mesh(mesh):
     out["sharded"], state = decode(engine, params, mesh=mesh)
   cache = state.target_cache.k

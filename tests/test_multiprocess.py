@@ -2,7 +2,7 @@
 
 Each process (`tests/_multiprocess_worker.py`) starts `jax.distributed` over loopback with
 4 fake CPU devices and decodes the same requests over one global (4 data x 2 model) mesh;
-process 0 first decodes them on one local device (the single-process run). Checks: the
+a process of its own first decodes them on one local device (the single-process run). Checks: the
 same tokens as the single-process run; after every chunk, bit-identical estimator
 coefficients in every replica of both processes, equal (to float reassociation) to the
 single-process coefficients, which needs the round statistics summed over the slots of
@@ -17,6 +17,7 @@ import sys
 import time
 
 import numpy as np
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NUM_PROCESSES = 2
@@ -29,22 +30,16 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-def _run_workers(tmp_path) -> list[dict]:
-  """Starts the processes, waits for all (bounded), returns their JSON outputs."""
-  port = _free_port()
+def _run(tmp_path, name: str, argvs: list[list[str]]) -> None:
+  """Runs the processes `argvs` together; returns when all exited 0, raises otherwise."""
   env = dict(os.environ)
   env.pop("XLA_FLAGS", None)  # the worker sets its own device count
-  procs, logs, outs = [], [], []
+  procs, logs = [], []
   try:
-    for i in range(NUM_PROCESSES):
-      outs.append(tmp_path / f"worker{i}.json")
-      logs.append(open(tmp_path / f"worker{i}.log", "w"))
-      args = [sys.executable, "-m", "tests._multiprocess_worker", str(i),
-              str(NUM_PROCESSES), str(port), str(outs[i])]
-      if i == 0:
-        args.append("--reference")
-      procs.append(subprocess.Popen(args, cwd=ROOT, env=env, stdout=logs[i],
-                                    stderr=subprocess.STDOUT))
+    for i, argv in enumerate(argvs):
+      logs.append(open(tmp_path / f"{name}{i}.log", "w"))
+      procs.append(subprocess.Popen([sys.executable, "-m", "tests._multiprocess_worker", *argv],
+                                    cwd=ROOT, env=env, stdout=logs[i], stderr=subprocess.STDOUT))
     # Until all exit, one fails (the others would wait for it forever), or time runs out.
     deadline = time.monotonic() + TIMEOUT_S
     while time.monotonic() < deadline:
@@ -59,19 +54,29 @@ def _run_workers(tmp_path) -> list[dict]:
         p.wait()
     for f in logs:
       f.close()
-  # A worker that failed by itself first, then those killed because of it.
+  # A process that failed by itself first, then those killed because of it.
   for i, p in sorted(enumerate(procs), key=lambda ip: ip[1].returncode < 0):
     if p.returncode != 0:
-      log = (tmp_path / f"worker{i}.log").read_text()
+      log = (tmp_path / f"{name}{i}.log").read_text()
       log = "\n".join(l for l in log.splitlines() if not l.startswith("[Gloo]"))
-      what = "was killed (timeout or another worker failed)" if p.returncode < 0 else \
+      what = "was killed (timeout or another process failed)" if p.returncode < 0 else \
           f"exited with {p.returncode}"
-      raise AssertionError(f"worker {i} {what}:\n{log[-4000:]}")
-  return [json.loads(o.read_text()) for o in outs]
+      raise AssertionError(f"{name} {i} {what}:\n{log[-4000:]}")
+
+
+def _run_workers(tmp_path) -> tuple[dict, list[dict]]:
+  """The single-process reference (alone, first), then the workers; their JSON outputs."""
+  ref_out = tmp_path / "reference.json"
+  _run(tmp_path, "reference", [["--reference", str(ref_out)]])
+  port = str(_free_port())
+  outs = [tmp_path / f"worker{i}.json" for i in range(NUM_PROCESSES)]
+  _run(tmp_path, "worker", [[str(i), str(NUM_PROCESSES), port, str(outs[i])]
+                            for i in range(NUM_PROCESSES)])
+  return json.loads(ref_out.read_text()), [json.loads(o.read_text()) for o in outs]
 
 
 def test_multiprocess_generation_equals_single_process(tmp_path):
-  results = _run_workers(tmp_path)
+  reference, results = _run_workers(tmp_path)
   for i, r in enumerate(results):
     assert r["process_index"] == i
     assert (r["process_count"], r["local_devices"], r["global_devices"]) == (2, 4, 8)
@@ -79,7 +84,6 @@ def test_multiprocess_generation_equals_single_process(tmp_path):
     assert not r["cache_fully_addressable"]     # each process holds only its slots
     assert r["cache_spec"] == "P(None, 'data', None, 'model', None)"
 
-  reference = results[0]["reference"]
   runs = [r["sharded"] for r in results]
   # (a) Every request's tokens equal the single-process run with the same key.
   for run in runs:
@@ -103,3 +107,12 @@ def test_multiprocess_generation_equals_single_process(tmp_path):
   assert chunks[0][-1]["num_refits"] >= 3
   # The coefficients did move away from their start (slope 0.5, intercepts 1.5).
   assert chunks[0][-1]["replicas"][0]["intercepts"][0] != 1.5
+
+
+def test_barrier_refuses_bad_arguments_and_is_a_no_op_alone():
+  from av_jax.engine import distributed
+  with pytest.raises(ValueError, match="name"):
+    distributed.barrier("")
+  with pytest.raises(ValueError, match="timeout_s"):
+    distributed.barrier("x", timeout_s=0)
+  distributed.barrier("alone", timeout_s=1)     # one process: returns at once

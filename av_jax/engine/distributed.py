@@ -90,6 +90,37 @@ def global_mesh(data: int | None = None, model: int = 1, *, explicit: bool = Fal
                             devices=np.asarray(devices, dtype=object).reshape(data, model))
 
 
+def barrier(name: str, timeout_s: float = 300.0) -> None:
+  """Waits until every process reaches the barrier `name` (the coordination service).
+
+  No device collective runs: the wait goes through the distributed runtime's coordinator,
+  whose timeout is `timeout_s`. A device collective across processes (Gloo on CPU) only
+  waits its transport's connect timeout (tens of seconds) for a peer that is still busy,
+  so processes whose work before their first collective can differ by more than that (one
+  ran a check the others skipped, a slow compile) meet here first. Every process must
+  call it with the same `name`, once per name. A no-op in a single process.
+
+  Raises:
+    ValueError: an empty `name` or a `timeout_s` that is not positive.
+    RuntimeError: a process did not arrive within `timeout_s`.
+  """
+  if not isinstance(name, str) or not name:
+    raise ValueError(f"name: expected a non-empty string, got {name!r}")
+  if not timeout_s > 0:
+    raise ValueError(f"timeout_s: expected > 0 seconds, got {timeout_s!r}")
+  if jax.process_count() == 1:
+    return
+  from jax._src import distributed as _dist  # the coordination client, no public alias
+  client = _dist.global_state.client
+  if client is None:
+    raise RuntimeError("barrier: jax.distributed is not initialized (call initialize first)")
+  try:
+    client.wait_at_barrier(name, int(timeout_s * 1000))
+  except Exception as e:  # noqa: BLE001 - the runtime's error type is not public
+    raise RuntimeError(f"barrier {name!r}: not every process arrived within {timeout_s} s "
+                       f"({e})") from e
+
+
 def spans_processes(mesh: Mesh | None) -> bool:
   """Whether `mesh` holds devices of other processes (multi-controller)."""
   if mesh is None:

@@ -242,7 +242,9 @@ class Runner:
   def __init__(self, *, temperature: float, top_p: float, max_len: int,
                refit_interval: int, steps_per_chunk: int = 8, seed: int = 0,
                clock: ClockSpec = ClockSpec("wall"), warm_start: bool = False,
-               log: Callable[[str], None] = print):
+               log: Callable[[str], None] = print, compiled: dict | None = None):
+    # compiled: {(drafter kind, slots, arm): engine} shared with another runner (a sweep
+    # on another clock), so an engine is built and compiled once for both.
     # warm_start: every run continues from the idle state the arm's previous run (first:
     # the warm-up run) ended in, so the online estimator starts fitted, as in a server
     # that has been running; False: every run starts from the estimator's prior.
@@ -254,6 +256,7 @@ class Runner:
     self.warm_tokens = 32  # tokens per request of the warm-up run under warm_start
     self._engines: dict = {}
     self._profiles: dict = {}
+    self.compiled = {} if compiled is None else compiled
 
   def _config(self, slots: int, arm: ArmSpec) -> E.EngineConfig:
     return E.EngineConfig(num_slots=slots, max_draft=arm.k, max_len=self.max_len,
@@ -273,13 +276,19 @@ class Runner:
     key = (pair.drafter.kind, slots, arm)
     if key not in self._engines:
       config = self._config(slots, arm)
-      engine = E.make_engine(config, pair.cfg, pair.drafter)
+      engine = self.compiled.get(key)
+      if engine is None or engine.config != config:
+        engine = self.compiled[key] = E.make_engine(config, pair.cfg, pair.drafter)
       params = E.Params(target=pair.target_params, drafter=pair.drafter_params)
       start = time.perf_counter()
       cost = self.tables(pair, slots, arm)
       if cost is None and (get_arm(arm.mode).adaptive or arm.mode == "oracle"):
-        # The oracle is charged with the tables AV plans against (same buckets).
-        av_engine = engine if arm.mode != "oracle" else E.make_engine(
+        # The oracle is charged with the tables AV plans against (same buckets), and AV
+        # without survival stop plans with them: the tables price the hardware (verify
+        # buckets, drafter passes per depth), not the policy, so one profile (cached on
+        # disk by the AV engine's config) serves the three arms.
+        shared = arm.mode in ("oracle", "av-no-stop")
+        av_engine = engine if not shared else E.make_engine(
             dataclasses.replace(config, mode="av"), pair.cfg, pair.drafter)
         cost, profile = prof.profile_costs(av_engine, params)
         self._profiles[key] = profile

@@ -3,6 +3,7 @@ schema, ratios computed from the records, and bad input refused by name (~1 min)
 
 import json
 
+import jax
 import numpy as np
 import pytest
 
@@ -111,7 +112,8 @@ def test_every_adaptive_arm_plans_with_profiled_tables():
   runner = C.Runner(temperature=1.0, top_p=1.0, max_len=24, refit_interval=4,
                     steps_per_chunk=4, log=lambda line: None)
   prompts = _prompts(pair, "code", num=2, length=6, seed=0)
-  for name in ("av-no-stop", "fixed:2"):
+  tables = {}
+  for name in ("av-no-stop", "fixed:2", "av"):
     arm = C.parse_arms(name, max_draft=2)[0]
     _, cost = runner.engine(pair, 2, arm, prompts)
     profiled = runner.profile(pair, 2, arm)
@@ -120,6 +122,10 @@ def test_every_adaptive_arm_plans_with_profiled_tables():
     else:
       assert profiled is not None and cost is not None
       assert np.asarray(cost.verify_ms).shape[0] > 1
+      tables[name] = cost
+  # One profile (the AV engine's) prices both adaptive arms: the same hardware tables.
+  for a, b in zip(jax.tree.leaves(tables["av"]), jax.tree.leaves(tables["av-no-stop"])):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_confidence_thresholds_reach_the_engine():

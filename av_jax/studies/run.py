@@ -28,6 +28,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from av_jax import _machine
+from av_jax import compare
 from av_jax._flags import at_least
 from av_jax import data
 from av_jax import engine as E
@@ -97,22 +98,47 @@ def study_labels(pairs, s: Settings, log, progress: bool) -> dict:
   return dict(streams=streams, traces=traces, drift=drift)
 
 
-def study_throughput(pairs, s: Settings, log, progress: bool) -> list[dict]:
-  """Study 5 rows: every (drafter, workload, concurrency, arm, repeat)."""
+def _pareto_arms(s: Settings) -> list:
+  return T.pareto_arms(s.pareto_ks, s.k, no_stop=s.no_stop_arm, confstop=s.confstop)
+
+
+def study_throughput(pairs, s: Settings, log, progress: bool, compiled: dict | None = None
+                     ) -> list[dict]:
+  """Study 5 rows: every (drafter, workload, concurrency, arm, repeat), wall clock."""
   max_len = s.prompt_len + s.throughput_max_new + s.k + 8
   sweeper = T.Sweeper(temperature=s.temperature, top_p=s.top_p, max_len=max_len,
-                      refit_interval=s.refit_interval, seed=s.seed, log=log)
+                      refit_interval=s.refit_interval, seed=s.seed, log=log,
+                      compiled=compiled)
   # (drafter, workload) -> arms
   cases = {}
   for kind in s.on_off_drafters:
-    cases[(kind, "mixed")] = T.on_off_arms(s.k)
-  cases[(s.pareto_drafter, "mixed")] = T.pareto_arms(s.pareto_ks, s.k)
+    cases[(kind, "mixed")] = T.on_off_arms(s.k, no_stop=s.no_stop_arm)
+  cases[(s.pareto_drafter, "mixed")] = _pareto_arms(s)
   for w in WORKLOADS if s.per_workload else ():
-    cases.setdefault((s.per_workload_drafter, w), T.on_off_arms(s.k))
+    cases.setdefault((s.per_workload_drafter, w), T.on_off_arms(s.k, no_stop=s.no_stop_arm))
+  return _sweep(sweeper, pairs, s, cases, s.concurrencies, s.repeats, log,
+                _bar(sum(len(a) for a in cases.values()) * len(s.concurrencies) * s.repeats,
+                     "throughput", progress))
+
+
+def study_modelled(pairs, s: Settings, log, progress: bool, compiled: dict | None = None
+                   ) -> list[dict]:
+  """Study 5 on the modelled accelerator clock: the Pareto arms per modelled drafter
+  (mixed workload), each step charged the deployment's roofline cost (`compare`)."""
+  max_len = s.prompt_len + s.throughput_max_new + s.k + 8
+  runner = compare.Runner(temperature=s.temperature, top_p=s.top_p, max_len=max_len,
+                          refit_interval=s.refit_interval, seed=s.seed, log=log,
+                          clock=compare.parse_clock(s.modelled_clock), compiled=compiled)
+  cases = {(kind, "mixed"): _pareto_arms(s) for kind in s.modelled_drafters}
+  total = sum(len(a) for a in cases.values()) * len(s.modelled_concurrencies) * s.modelled_repeats
+  return _sweep(runner, pairs, s, cases, s.modelled_concurrencies, s.modelled_repeats, log,
+                _bar(total, "modelled", progress))
+
+
+def _sweep(runner, pairs, s: Settings, cases: dict, concurrencies, repeats: int, log,
+           bar) -> list[dict]:
   rows = []
-  total = sum(len(a) for a in cases.values()) * len(s.concurrencies) * s.repeats
-  bar = _bar(total, "throughput", progress)
-  for c in s.concurrencies:
+  for c in concurrencies:
     num = max(4, s.requests_per_slot * c)
     for (kind, w), arms in cases.items():
       pair = pairs[kind]
@@ -122,14 +148,14 @@ def study_throughput(pairs, s: Settings, log, progress: bool) -> list[dict]:
         prompts = data.prompts(w, tokenizer=pair.tokenizer, num=num, length=s.prompt_len,
                                seed=s.seed).tolist()
       for arm in arms:  # compile and profile before any timing
-        sweeper.engine(pair, c, arm, prompts)
-      for r in range(s.repeats):
+        runner.engine(pair, c, arm, prompts)
+      for r in range(repeats):
         for arm in arms:
-          row = sweeper.run(pair, c, arm, prompts, max_new=s.throughput_max_new, repeat=r)
+          row = runner.run(pair, c, arm, prompts, max_new=s.throughput_max_new, repeat=r)
           row["workload"] = w
           rows.append(row)
           bar.update(1)
-      log(f"  throughput {kind:>10} {w:>5} B={c:2d}: " + ", ".join(
+      log(f"  {runner.clock.name} {kind:>10} {w:>5} B={c:3d}: " + ", ".join(
           f"{a.name} {np.median([x['tokens_per_s'] for x in rows if x['drafter'] == kind and x['workload'] == w and x['concurrency'] == c and x['arm'] == a.name]):.0f}"
           for a in arms) + " tok/s")
   bar.close()
@@ -201,13 +227,15 @@ def add_args(p: argparse.ArgumentParser) -> None:
   p.add_argument("--pareto-ks", default=None,
                  help="comma-separated fixed K of the Pareto sweep, 0 = target only")
   p.add_argument("--repeats", type=at_least(1), default=None, help="timed repeats per arm")
+  p.add_argument("--modelled-concurrencies", default=None,
+                 help="comma-separated concurrencies of the modelled-clock sweep (overrides)")
   p.add_argument("--render-only", action="store_true",
                  help="rewrite studies.md and the plots from an existing studies.json")
   p.add_argument("--skip", default="", type=_skip_list,
                  help=f"comma-separated studies to skip: {','.join(SKIPPABLE)}")
 
 
-SKIPPABLE = ("labels", "throughput", "per_workload", "overhead")  # names --skip accepts
+SKIPPABLE = ("labels", "throughput", "per_workload", "modelled", "overhead")  # names --skip accepts
 
 
 def _skip_list(text: str) -> str:
@@ -240,6 +268,10 @@ def run(args) -> int:
       raise ValueError(f"--on-off-drafters: unknown {sorted(bad)}; expected {DRAFTERS}")
   if args.repeats:
     s.repeats = args.repeats
+  if args.modelled_concurrencies:
+    s.modelled_concurrencies = ints(args.modelled_concurrencies)
+  if "modelled" in skip:
+    s.modelled_clock = None
   if "labels" in skip:  # nothing to label: load only the drafters the sweeps use
     s.label_drafters = ()
   if "per_workload" in skip:
@@ -251,7 +283,9 @@ def run(args) -> int:
            (f"--concurrencies {args.concurrencies}", args.concurrencies),
            (f"--on-off-drafters {args.on_off_drafters}", args.on_off_drafters),
            (f"--pareto-ks {args.pareto_ks}", args.pareto_ks),
-           (f"--repeats {args.repeats}", args.repeats)]
+           (f"--repeats {args.repeats}", args.repeats),
+           (f"--modelled-concurrencies {args.modelled_concurrencies}",
+            args.modelled_concurrencies)]
   command = " ".join(["av-jax bench"] + [flag for flag, given in flags if given])
   log_lines = []
 
@@ -262,9 +296,11 @@ def run(args) -> int:
   log(f"{command}: writing {args.out}/studies.md")
   kinds = sorted(set(s.label_drafters) | set(s.on_off_drafters) | {
       s.pareto_drafter, s.per_workload_drafter} | ({s.drift_drafter} if s.label_drafters
-                                                   else set()), key=DRAFTERS.index)
+                                                   else set())
+      | (set(s.modelled_drafters) if s.modelled_clock else set()), key=DRAFTERS.index)
   pairs = {k: M.load(s.models, drafter=k) for k in kinds}
-  results = dict(command=command, settings=dataclasses.asdict(s), hardware=hardware())
+  results = dict(command=command, settings=dataclasses.asdict(s), hardware=hardware(),
+                 quick=bool(args.quick))
   # Facts the report's prose states, read from what ran rather than written into it.
   target = next(iter(pairs.values())).cfg.target if pairs else None
   results["target"] = None if target is None else dict(num_layers=target.num_layers,
@@ -273,7 +309,8 @@ def run(args) -> int:
       slots=1, max_draft=s.k, max_len=s.k + 3, temperature=s.temperature, top_p=s.top_p,
       refit_interval=s.refit_interval).estimator)
   timings = {}
-  labels = throughput_rows = overhead = None
+  labels = throughput_rows = modelled_rows = overhead = None
+  compiled = {}  # engines built once for the wall and the modelled sweeps
   if "labels" not in skip:
     t = time.perf_counter()
     log("[1-4] labelled drafts")
@@ -282,8 +319,13 @@ def run(args) -> int:
   if "throughput" not in skip:
     t = time.perf_counter()
     log("[5] throughput")
-    throughput_rows = study_throughput(pairs, s, log, progress)
+    throughput_rows = study_throughput(pairs, s, log, progress, compiled)
     timings["throughput_s"] = time.perf_counter() - t
+  if s.modelled_clock:
+    t = time.perf_counter()
+    log(f"[5m] throughput on the modelled clock {s.modelled_clock}")
+    modelled_rows = study_modelled(pairs, s, log, progress, compiled)
+    timings["modelled_s"] = time.perf_counter() - t
   if "overhead" not in skip:
     t = time.perf_counter()
     log("[6] overhead")
@@ -293,7 +335,7 @@ def run(args) -> int:
   results["timings"] = timings
   results["hardware"]["load_avg_end"] = list(os.getloadavg())
   report.write(args.out, results, s, labels=labels, throughput_rows=throughput_rows,
-               overhead=overhead)
+               modelled_rows=modelled_rows, overhead=overhead)
   log(f"done in {timings['total_s']:.0f} s: {args.out}/studies.md, {args.out}/studies.json")
   return 0
 

@@ -27,3 +27,19 @@ def describe() -> dict:
               backend=jax.default_backend(), device=jax.devices()[0].device_kind,
               jax=jax.__version__, python=platform.python_version(),
               load_avg=list(os.getloadavg()))
+
+
+def commit() -> str | None:
+  """The source tree's git commit (short hash, `+` when it has uncommitted changes), or
+  None outside a git checkout."""
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  try:
+    head = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"],
+                          capture_output=True, text=True, timeout=10)
+    if head.returncode != 0:
+      return None
+    dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
+                           capture_output=True, text=True, timeout=10).stdout.strip()
+  except (OSError, subprocess.TimeoutExpired):
+    return None
+  return head.stdout.strip() + ("+" if dirty else "")

@@ -3,6 +3,7 @@ labelled-draft collection and report on tiny engines."""
 
 import json
 import os
+import re
 
 import jax
 import numpy as np
@@ -234,3 +235,17 @@ def test_report_writes_markdown_plots_and_json(tiny_stream, tmp_path):
   table = {r["predictor"]: r for r in data["labels"]["feature_table"]}
   assert not table["logit(q_sampled), fitted"]["lossless"]
   assert table["confidence head (trained)"]["n"] == table[R.SERVED]["n"] // 2
+
+
+def test_sweep_arms_and_the_recorded_commit():
+  arms = T.pareto_arms((0, 2), 4, no_stop=True, confstop=(0.5, 0.8))
+  assert [(a.mode, a.k) for a in arms] == [
+      ("target_only", 1), ("fixed", 2), ("av", 4), ("av-no-stop", 4), ("confstop:0.5", 4),
+      ("confstop:0.8", 4), ("oracle", 4)]
+  assert len({a.name for a in arms}) == len(arms)
+  assert [a.mode for a in T.on_off_arms(8, no_stop=True)] == ["fixed", "av", "av-no-stop"]
+  with pytest.raises(ValueError, match="confstop"):
+    T.pareto_arms((0,), 4, confstop=(1.5,))
+  from av_jax import _machine
+  commit = _machine.commit()
+  assert commit is None or re.fullmatch(r"[0-9a-f]{4,40}\+?", commit)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import os
 import sys
 import time
@@ -102,8 +103,8 @@ def _pareto_arms(s: Settings) -> list:
   return T.pareto_arms(s.pareto_ks, s.k, no_stop=s.no_stop_arm, confstop=s.confstop)
 
 
-def study_throughput(pairs, s: Settings, log, progress: bool, compiled: dict | None = None
-                     ) -> list[dict]:
+def study_throughput(pairs, s: Settings, log, progress: bool, compiled: dict | None = None,
+                     concurrencies=None) -> list[dict]:
   """Study 5 rows: every (drafter, workload, concurrency, arm, repeat), wall clock."""
   max_len = s.prompt_len + s.throughput_max_new + s.k + 8
   sweeper = T.Sweeper(temperature=s.temperature, top_p=s.top_p, max_len=max_len,
@@ -116,13 +117,14 @@ def study_throughput(pairs, s: Settings, log, progress: bool, compiled: dict | N
   cases[(s.pareto_drafter, "mixed")] = _pareto_arms(s)
   for w in WORKLOADS if s.per_workload else ():
     cases.setdefault((s.per_workload_drafter, w), T.on_off_arms(s.k, no_stop=s.no_stop_arm))
-  return _sweep(sweeper, pairs, s, cases, s.concurrencies, s.repeats, log,
-                _bar(sum(len(a) for a in cases.values()) * len(s.concurrencies) * s.repeats,
+  concurrencies = s.concurrencies if concurrencies is None else concurrencies
+  return _sweep(sweeper, pairs, s, cases, concurrencies, s.repeats, log,
+                _bar(sum(len(a) for a in cases.values()) * len(concurrencies) * s.repeats,
                      "throughput", progress))
 
 
-def study_modelled(pairs, s: Settings, log, progress: bool, compiled: dict | None = None
-                   ) -> list[dict]:
+def study_modelled(pairs, s: Settings, log, progress: bool, compiled: dict | None = None,
+                   concurrencies=None) -> list[dict]:
   """Study 5 on the modelled accelerator clock: the Pareto arms per modelled drafter
   (mixed workload), each step charged the deployment's roofline cost (`compare`)."""
   max_len = s.prompt_len + s.throughput_max_new + s.k + 8
@@ -130,8 +132,9 @@ def study_modelled(pairs, s: Settings, log, progress: bool, compiled: dict | Non
                           refit_interval=s.refit_interval, seed=s.seed, log=log,
                           clock=compare.parse_clock(s.modelled_clock), compiled=compiled)
   cases = {(kind, "mixed"): _pareto_arms(s) for kind in s.modelled_drafters}
-  total = sum(len(a) for a in cases.values()) * len(s.modelled_concurrencies) * s.modelled_repeats
-  return _sweep(runner, pairs, s, cases, s.modelled_concurrencies, s.modelled_repeats, log,
+  concurrencies = s.modelled_concurrencies if concurrencies is None else concurrencies
+  total = sum(len(a) for a in cases.values()) * len(concurrencies) * s.modelled_repeats
+  return _sweep(runner, pairs, s, cases, concurrencies, s.modelled_repeats, log,
                 _bar(total, "modelled", progress))
 
 
@@ -207,6 +210,14 @@ def study_overhead(s: Settings, pair, throughput_rows, log) -> dict:
               decision_ms_no_features=small_ms, av_step_ms=step_ms, share=share,
               drafted_share=drafted, per_step_ms=per_step_ms, amortized_share=amortized,
               recompiles=decide.num_traces() - 2)
+
+
+def _save(out: str, results: dict, s: Settings, timings: dict, start: float, **studies
+          ) -> None:
+  """Writes the report with what has run so far (a later study adds to it)."""
+  results["timings"] = dict(timings, total_s=time.perf_counter() - start)
+  results["partial"] = True
+  report.write(out, results, s, **studies)
 
 
 def main(argv=None) -> int:
@@ -300,7 +311,7 @@ def run(args) -> int:
       | (set(s.modelled_drafters) if s.modelled_clock else set()), key=DRAFTERS.index)
   pairs = {k: M.load(s.models, drafter=k) for k in kinds}
   results = dict(command=command, settings=dataclasses.asdict(s), hardware=hardware(),
-                 quick=bool(args.quick))
+                 quick=bool(args.quick), commit=_machine.commit())
   # Facts the report's prose states, read from what ran rather than written into it.
   target = next(iter(pairs.values())).cfg.target if pairs else None
   results["target"] = None if target is None else dict(num_layers=target.num_layers,
@@ -316,16 +327,31 @@ def run(args) -> int:
     log("[1-4] labelled drafts")
     labels = study_labels(pairs, s, log, progress)
     timings["labels_s"] = time.perf_counter() - t
-  if "throughput" not in skip:
-    t = time.perf_counter()
-    log("[5] throughput")
-    throughput_rows = study_throughput(pairs, s, log, progress, compiled)
-    timings["throughput_s"] = time.perf_counter() - t
-  if s.modelled_clock:
-    t = time.perf_counter()
-    log(f"[5m] throughput on the modelled clock {s.modelled_clock}")
-    modelled_rows = study_modelled(pairs, s, log, progress, compiled)
-    timings["modelled_s"] = time.perf_counter() - t
+    _save(args.out, results, s, timings, start, labels=labels)
+  # One concurrency at a time: its wall sweep, then its modelled sweep on the same
+  # compiled engines; then every engine is released (a process that keeps ~30 compiled
+  # engines alive exhausts the kernel's memory-map limit in LLVM's JIT: a crash seen at
+  # the 27th), and the report so far is written, so a crash loses one concurrency only.
+  wall = s.concurrencies if "throughput" not in skip else ()
+  modelled = s.modelled_concurrencies if s.modelled_clock else ()
+  for c in sorted(set(wall) | set(modelled)):
+    if c in wall:
+      t = time.perf_counter()
+      log(f"[5] throughput, concurrency {c}")
+      throughput_rows = (throughput_rows or []) + study_throughput(
+          pairs, s, log, progress, compiled, concurrencies=(c,))
+      timings["throughput_s"] = timings.get("throughput_s", 0.0) + time.perf_counter() - t
+    if c in modelled:
+      t = time.perf_counter()
+      log(f"[5m] throughput on the modelled clock {s.modelled_clock}, concurrency {c}")
+      modelled_rows = (modelled_rows or []) + study_modelled(
+          pairs, s, log, progress, compiled, concurrencies=(c,))
+      timings["modelled_s"] = timings.get("modelled_s", 0.0) + time.perf_counter() - t
+    compiled.clear()
+    jax.clear_caches()
+    gc.collect()
+    _save(args.out, results, s, timings, start, throughput_rows=throughput_rows,
+          modelled_rows=modelled_rows)
   if "overhead" not in skip:
     t = time.perf_counter()
     log("[6] overhead")
@@ -333,6 +359,7 @@ def run(args) -> int:
     timings["overhead_s"] = time.perf_counter() - t
   timings["total_s"] = time.perf_counter() - start
   results["timings"] = timings
+  results["partial"] = False
   results["hardware"]["load_avg_end"] = list(os.getloadavg())
   report.write(args.out, results, s, labels=labels, throughput_rows=throughput_rows,
                modelled_rows=modelled_rows, overhead=overhead)

@@ -38,7 +38,8 @@ demo: $(STAMP)
 	$(PY) -m av_jax.cli demo
 
 # A test whose worker process crashed (jaxlib 0.10.2's CPU compiler has aborted at random
-# inside `backend_compile_and_load`, a different test each time, never reproducible alone)
+# inside `backend_compile_and_load`, a different test each time, never reproducible alone;
+# likely the memory-map limit, which tests/conftest.py now bounds per test file)
 # is run once more; a test that fails is not (`--only-rerun` matches the crash report only).
 RERUN := --reruns 1 --only-rerun "crashed while running"
 # `make test` leaves the tests named in tests/SLOW_TESTS.txt (engine and model tests of

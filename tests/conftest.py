@@ -1,10 +1,12 @@
-"""Shared test fixtures: a jit/no-jit switch for pure functions; the `slow` tier.
+"""Shared test fixtures: a jit/no-jit switch for pure functions; the `slow` tier; a bound
+on the memory maps compiled code holds.
 
 `tests/SLOW_TESTS.txt` names the tests that `make test` leaves to `make test-slow` (both
 run in CI, `.ci/run`): they are marked `slow` here at collection. An entry that names no
 collected test fails the run, so a renamed test cannot drop out of both tiers unseen.
 """
 
+import gc
 import os
 
 import jax
@@ -47,3 +49,28 @@ def maybe_jit(request):
   if request.param:
     return jax.jit
   return lambda fn, **kwargs: fn
+
+
+def _memory_maps() -> tuple[int, int] | None:
+  """(this process's memory maps, the kernel's per-process limit), Linux only."""
+  try:
+    with open("/proc/self/maps", "rb") as f:
+      maps = sum(1 for _ in f)
+    with open("/proc/sys/vm/max_map_count") as f:
+      return maps, int(f.read())
+  except (OSError, ValueError):
+    return None
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _bound_memory_maps():
+  """After a test file, drops JAX's compiled-code caches when they hold over half of the
+  per-process memory-map limit. Every compiled executable keeps its own maps (a v2 engine
+  about 2,400 of the default limit of 65,530), an xdist worker runs many files, and LLVM's
+  JIT fails with "Cannot allocate memory" at the limit: a studies run died that way, and
+  it is the likely cause of the rare compiler aborts `make test` reruns (Makefile)."""
+  yield
+  counts = _memory_maps()
+  if counts is not None and counts[0] > counts[1] // 2:
+    jax.clear_caches()
+    gc.collect()

@@ -249,3 +249,13 @@ def test_sweep_arms_and_the_recorded_commit():
   from av_jax import _machine
   commit = _machine.commit()
   assert commit is None or re.fullmatch(r"[0-9a-f]{4,40}\+?", commit)
+
+
+def test_settings_refuse_a_stream_that_ends_in_warm_up():
+  from av_jax.studies.settings import Settings
+  Settings().validate()
+  Settings.quick().validate()
+  with pytest.raises(ValueError, match="label_steps"):
+    Settings(label_steps=32, refit_interval=16, warmup_rounds=2).validate()
+  with pytest.raises(ValueError, match="drift_steps"):
+    Settings(drift_steps=90, refit_interval=16).validate()

@@ -287,6 +287,7 @@ def run(args) -> int:
     s.label_drafters = ()
   if "per_workload" in skip:
     s.per_workload = False
+  s.validate()
   progress = not args.no_progress and sys.stderr.isatty()
   os.makedirs(args.out, exist_ok=True)
   flags = [("--quick", args.quick), (f"--seed {args.seed}", args.seed),

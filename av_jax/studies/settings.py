@@ -30,7 +30,7 @@ class Settings:
   drift_workloads: tuple = ("math", "prose", "math")
   drift_steps: int = 96            # steps per drift segment (a multiple of refit_interval)
   drift_drafter: str = "block"
-  warmup_rounds: int = 2           # served predictions of the first rounds are warm-up
+  warmup_rounds: int = 1           # served predictions of the first rounds are warm-up
   concurrencies: tuple = (1, 16, 64)
   pareto_ks: tuple = (0, 2, 4, 8)
   pareto_drafter: str = "block"
@@ -54,6 +54,24 @@ class Settings:
   modelled_repeats: int = 1
   overhead_repeats: int = 30
   seed: int = 0
+
+  def validate(self) -> "Settings":
+    """Refuses settings whose served-estimator figures would be empty.
+
+    Raises:
+      ValueError: `label_steps` not beyond the warm-up (`warmup_rounds` x
+        `refit_interval` steps), or `drift_steps` not a multiple of `refit_interval`.
+    """
+    warmup = self.warmup_rounds * self.refit_interval
+    if self.label_drafters and self.label_steps <= warmup:
+      raise ValueError(f"label_steps: expected more than the warm-up's {warmup} steps "
+                       f"(warmup_rounds {self.warmup_rounds} x refit_interval "
+                       f"{self.refit_interval}), got {self.label_steps}: no served "
+                       "prediction would be scored")
+    if self.drift_steps % self.refit_interval:
+      raise ValueError(f"drift_steps: expected a multiple of refit_interval "
+                       f"{self.refit_interval}, got {self.drift_steps}")
+    return self
 
   @classmethod
   def quick(cls) -> "Settings":

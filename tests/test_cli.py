@@ -30,7 +30,7 @@ from av_jax.studies.settings import Settings
     ("demo --slots 0", "argument --slots: expected an integer >= 1"),
     ("demo --top-p 0", "argument --top-p: expected a nucleus mass"),
     ("bench --skip foo", "argument --skip: unknown studies ['foo']; known: labels, "
-                         "throughput, per_workload, overhead"),
+                         "throughput, per_workload, modelled, overhead"),
     ("bench --skip labels,foo,bar", "unknown studies ['bar', 'foo']"),
     ("bench --repeats 0", "argument --repeats: expected an integer >= 1"),
 ])

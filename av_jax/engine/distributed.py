@@ -22,6 +22,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax._src import distributed as _jax_distributed  # the coordination client (no public alias)
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
@@ -110,8 +111,7 @@ def barrier(name: str, timeout_s: float = 300.0) -> None:
     raise ValueError(f"timeout_s: expected > 0 seconds, got {timeout_s!r}")
   if jax.process_count() == 1:
     return
-  from jax._src import distributed as _dist  # the coordination client, no public alias
-  client = _dist.global_state.client
+  client = _jax_distributed.global_state.client
   if client is None:
     raise RuntimeError("barrier: jax.distributed is not initialized (call initialize first)")
   try:

@@ -8,6 +8,7 @@ synthetic simulator and the studies name arms from here and nowhere else.
 | `target_only` | no     | -                     | `none`                         | nothing            |
 | `fixed`       | yes    | -                     | `fixed` (all K of every slot)  | what it verified   |
 | `av`          | yes    | the online estimator  | exact for the drafter          | what it verified   |
+| `av-no-price` | yes    | the online estimator  | exact for the drafter          | what it verified   |
 | `av-no-stop`  | yes    | the online estimator  | exact for the drafter          | what it verified   |
 | `av_head`     | yes    | the confidence head   | exact for the drafter          | what it verified   |
 | `confstop`    | yes    | -                     | `fixed`, confidence stop       | what it verified   |
@@ -16,8 +17,10 @@ synthetic simulator and the studies name arms from here and nowhere else.
 Drafting stop (`Arm.stop`, autoregressive drafters only; docs/algorithm.md section 10):
 `av` stops each request's drafting early by *survival stop* (`av_jax.stopping`): a
 request drafts depth j+1 only while its survival at depth j is at least a threshold
-from earlier steps; the lagged budget is allocated over the drafted positions.
-`av-no-stop` is AV drafting all K depths (the `av` of before survival stop). With a
+from earlier steps; the lagged budget is allocated over the drafted positions; and the
+batch drafts no request (but an exploring one) beyond the depth whose passes paid at the
+previous step (*pass pricing*, `stopping.next_depth_cap`). `av-no-price` is survival stop
+without pass pricing (the `av` of before it). `av-no-stop` is AV drafting all K depths (the `av` of before survival stop). With a
 parallel drafter (one pass drafts all K) both are the same arm. `confstop:T` is vLLM's
 `DraftConfidenceStop`: the batch drafts depth j+1 while some request's drafts so far all
 have top-1 probability >= T, and every request verifies the same count (no budget).
@@ -45,6 +48,7 @@ class Arm(NamedTuple):
   stop: str = "none"   # drafting stop for autoregressive drafters: "none", "survival"
                        # (survival stop, `av_jax.stopping`) or "confidence" (`confstop:T`)
   threshold: float | None = None  # T of the "confidence" stop; None for the others
+  price_passes: bool = True  # survival stop also caps the batch's depth (pass pricing)
 
 
 ARMS: dict[str, Arm] = {
@@ -54,6 +58,8 @@ ARMS: dict[str, Arm] = {
                  policy="fixed"),
     "av": Arm("av", drafts=True, adaptive=True, head=False, hindsight=False, policy=None,
               stop="survival"),
+    "av-no-price": Arm("av-no-price", drafts=True, adaptive=True, head=False,
+                       hindsight=False, policy=None, stop="survival", price_passes=False),
     "av-no-stop": Arm("av-no-stop", drafts=True, adaptive=True, head=False, hindsight=False,
                       policy=None),
     "av_head": Arm("av_head", drafts=True, adaptive=True, head=True, hindsight=False,

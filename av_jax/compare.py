@@ -287,7 +287,7 @@ class Runner:
         # without survival stop plans with them: the tables price the hardware (verify
         # buckets, drafter passes per depth), not the policy, so one profile (cached on
         # disk by the AV engine's config) serves the three arms.
-        shared = arm.mode in ("oracle", "av-no-stop")
+        shared = arm.mode in ("oracle", "av-no-stop", "av-no-price")
         av_engine = engine if not shared else E.make_engine(
             dataclasses.replace(config, mode="av"), pair.cfg, pair.drafter)
         cost, profile = prof.profile_costs(av_engine, params)
@@ -620,7 +620,9 @@ def format_group(group: Sequence[dict]) -> str:
                  f"{r['acceptance']:6.3f} {r['wall_tokens_per_s']:10.1f} {steady:>12} "
                  f"{svs:>14} {r.get('draft_passes_per_step') or 0.0:11.2f}")
   for r in group:
-    if "vs" in r:
+    if "vs" in r and r["vs_best_static"] is None:  # no static arm to compare against
+      lines.append(f"  {r['arm']}: no static arm (target_only, fixed:K) in this comparison")
+    elif "vs" in r:
       lines.append(f"  {r['arm']} vs best static ({r['best_static']}): "
                    f"{r['vs_best_static']:.3f}x; vs each: " + ", ".join(
                        f"{a} {v:.3f}x" for a, v in r["vs"].items()))

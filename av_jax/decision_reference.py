@@ -99,6 +99,7 @@ class NumpyDecision:
     state["planner.next_recheck"] = np.asarray(every, np.int32)
     state["planner.recheck_count"] = np.zeros((), np.int32)
     state["planner.pay_margin"] = np.full((batch_size,), np.inf, _F32)  # never judged
+    state["planner.depth_cap"] = np.zeros((), np.int32)  # survival stop's depth cap: none
     state["features"] = np.zeros((batch_size, self.config.num_positions), _F32)
     return state
 

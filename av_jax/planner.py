@@ -76,6 +76,8 @@ class PlannerConfig:
   draft_stop: str = "none"       # one of STOPS: when an autoregressive drafter stops
   stop_margin: float = 0.5       # survival stop: tau = margin * smallest admitted survival
   stop_min_depth: int = 1        # survival stop: every drafting request drafts this many
+  stop_price_passes: bool = True  # survival stop: cap the batch's depth at the depth whose
+                                  # passes paid at the previous step (pass pricing)
   confidence_threshold: float = 0.5  # confstop: T on the drafts' top-1 probability
 
   def __post_init__(self):
@@ -92,6 +94,8 @@ class PlannerConfig:
     if self.draft_stop not in STOPS:
       raise ValueError(f"draft_stop: expected one of {STOPS}, got {self.draft_stop!r}")
     stopping.check_params(stopping.StopParams(self.stop_margin, self.stop_min_depth))
+    if not isinstance(self.stop_price_passes, bool):
+      raise ValueError(f"stop_price_passes: expected a bool, got {self.stop_price_passes!r}")
     t = self.confidence_threshold
     if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0.0 <= t <= 1.0:
       raise ValueError(f"confidence_threshold: expected a number in [0, 1], got {t!r}")
@@ -123,6 +127,9 @@ class PlannerState(NamedTuple):
   # [B] (or [1]) float32, each slot's smoothed relative pay margin (> 0: its drafts pay;
   # `slot_pays` is its sign); +inf until the slot is first judged (never NaN).
   pay_margin: jax.Array | None = None
+  # [] int32, survival stop's batch depth cap for this step (pass pricing,
+  # `stopping.next_depth_cap`), from earlier steps only; 0: no cap.
+  depth_cap: jax.Array | None = None
 
 
 class Plan(NamedTuple):
@@ -270,7 +277,8 @@ def make_planner(
                         recheck_interval=int32(recheck_every),
                         next_recheck=int32(recheck_every), recheck_count=int32(0),
                         pay_margin=jnp.full((1 if num_slots is None else num_slots,),
-                                            jnp.inf, jnp.float32))
+                                            jnp.inf, jnp.float32),
+                        depth_cap=int32(0))
 
   def complete(state: PlannerState) -> PlannerState:
     """`state` with None fields (a hand-built state) as `init()` sets them."""
@@ -383,8 +391,11 @@ def make_planner(
     column = jnp.take(drafted, jnp.clip(depth - 1, 0, K - 1), axis=1)
     if stop == "survival":
       surv = jnp.where(drafted, survival(probs), 0.0)
-      explored = explored_slots(complete(state), active, slots)
-      return early.keep_drafting(stopping.StopState(tau=jnp.asarray(state.tau, jnp.float32)),
+      state = complete(state)
+      explored = explored_slots(state, active, slots)
+      cap = state.depth_cap if config.stop_price_passes else 0
+      return early.keep_drafting(stopping.StopState(tau=jnp.asarray(state.tau, jnp.float32),
+                                                    cap=jnp.asarray(cap, jnp.int32)),
                                  surv, drafted, depth, explored, active=active)
     if stop == "confidence":
       if top1 is None:
@@ -446,6 +457,7 @@ def make_planner(
     surv = survival(probs)
     next_budget = state.budget
     tau = state.tau
+    depth_cap = state.depth_cap
     if drafted is not None:
       drafted = jnp.asarray(drafted)
       _checks.shape("drafted", drafted, (B, K), "BK")
@@ -465,9 +477,12 @@ def make_planner(
         next_budget = jnp.where(any_drafted, optimal, state.budget)
       if stop == "survival" and drafted is not None:
         # tau for the NEXT step, from this step's optimal budget over the drafted slots
-        new_tau = early.update(stopping.StopState(tau=jnp.asarray(tau, jnp.float32)), surv,
-                               drafted & drafting[:, None], optimal, active=active).tau
-        tau = jnp.where(any_drafted, new_tau, tau)
+        stop_state = early.update(
+            stopping.StopState(tau=jnp.asarray(tau, jnp.float32), cap=state.depth_cap), surv,
+            drafted & drafting[:, None], optimal, active=active, num_drafting=d,
+            cost=cost if config.stop_price_passes else None)
+        tau = jnp.where(any_drafted, stop_state.tau, tau)
+        depth_cap = jnp.where(any_drafted, stop_state.cap, depth_cap)
     else:
       budget = jnp.asarray(B * K if policy == "fixed" else 0, jnp.int32)
       mask = allocate(surv, budget, active=active)
@@ -483,7 +498,8 @@ def make_planner(
         budget = jnp.sum(mask & seen, dtype=jnp.int32)
     explored = explored & active
     new_state = state._replace(budget=next_budget, step=state.step + 1, tau=tau,
-                               drafting_pays=jnp.asarray(state.drafting_pays))
+                               drafting_pays=jnp.asarray(state.drafting_pays),
+                               depth_cap=jnp.asarray(depth_cap, jnp.int32))
     if gated:
       new_state = _gate_update(state, new_state, pays_before, planned, mask, surv, cost,
                                R=R, d=d, drafted=drafted)

@@ -14,6 +14,15 @@ survival is below `tau`. Exploring slots (chosen by the step counter) always dra
 so the estimator keeps receiving labels at every depth. The batch stops drafting when no
 request continues (`any_drafting`, a `lax.while_loop` condition or a masked scan).
 
+*Pass pricing* adds a batch-level depth cap, also from earlier steps only: on an
+accelerator a drafter pass costs about the same however few rows continue, so a loop that
+runs while any of 64 requests clears tau pays for passes whose drafts the budget mostly
+trims. After each step `next_depth_cap` finds the depth c* whose passes paid at that step
+(`optimal_depth`: the budget rule with the drafter charged c / K of its cost) and the next
+step drafts no request but an exploring one beyond it (one pass deeper when c* reached the
+cap, so a cap can grow back). A decision that reads nothing of the current step is exact
+for the same reason as tau (docs/algorithm.md 10.7).
+
 Verification then allocates the lagged budget over the drafted prefixes only
 (`verified_count`): `num_verified[b] = min(allocation of b, drafted depth of b)`, and an
 exploring slot verifies its whole drafted depth. Whether position i is drafted and
@@ -55,6 +64,9 @@ class StopParams(NamedTuple):
 class StopState(NamedTuple):
   """State carried between decode steps (optax style: `init` / `update`)."""
   tau: jax.Array  # [] float32, survival threshold for this step, from earlier steps only
+  # [] int32, the batch's depth cap for this step (pass pricing, `next_depth_cap`), from
+  # earlier steps only; 0: no cap.
+  cap: jax.Array | int = 0
 
 
 class EarlyStop(NamedTuple):
@@ -166,10 +178,11 @@ def threshold(survival: jax.typing.ArrayLike, drafted: jax.typing.ArrayLike,
 def keep_drafting(survival: jax.typing.ArrayLike, depth: jax.typing.ArrayLike,
                   tau: jax.typing.ArrayLike, exploring: jax.typing.ArrayLike, *,
                   drafting: jax.typing.ArrayLike | None = None,
-                  min_depth: int = 1) -> jax.Array:
+                  min_depth: int = 1, cap: jax.typing.ArrayLike = 0) -> jax.Array:
   """Whether each request drafts depth `depth + 1`, given its depth-`depth` survival.
 
-  `keep[b] = drafting[b] & (exploring[b] | depth < min_depth | S[b, depth] >= tau)`.
+  `keep[b] = drafting[b] & (exploring[b] | depth < min_depth |
+  (S[b, depth] >= tau & depth < cap))`, a cap of 0 meaning none.
   Stopping is absorbing (`drafting` is whether b drafted depth `depth`). NaN survivals
   are read as 0, like the allocation does. With `tau = 0` (no previous step) every
   drafting request continues. The caller also bounds the loop by K (`any_drafting`).
@@ -181,6 +194,8 @@ def keep_drafting(survival: jax.typing.ArrayLike, depth: jax.typing.ArrayLike,
     exploring: `[B]` bool, slots verifying everything this step; they always continue.
     drafting: optional `[B]` bool, whether b drafted depth `depth` (default all).
     min_depth: every drafting request drafts at least this many depths.
+    cap: `[]` int, the batch's depth cap from earlier steps (`next_depth_cap`): no
+      request but an exploring one drafts beyond it; 0 (default): no cap.
 
   Returns:
     `[B]` bool.
@@ -204,7 +219,9 @@ def keep_drafting(survival: jax.typing.ArrayLike, depth: jax.typing.ArrayLike,
   tau = jnp.asarray(tau, jnp.float32)
   _checks.rank("tau", tau, 0)
   s = jnp.clip(jnp.nan_to_num(survival, nan=0.0), 0.0, 1.0)
-  return drafting & (exploring | (depth < min_depth) | (s >= tau))
+  cap = jnp.asarray(cap, jnp.int32)
+  under_cap = (cap <= 0) | (depth < cap)
+  return drafting & (exploring | (depth < min_depth) | ((s >= tau) & under_cap))
 
 
 def outranked(survival: jax.typing.ArrayLike, drafted: jax.typing.ArrayLike,
@@ -264,7 +281,8 @@ def any_drafting(keep: jax.typing.ArrayLike, depth: jax.typing.ArrayLike, *,
 def drafted_depth(survival: jax.typing.ArrayLike, tau: jax.typing.ArrayLike,
                   exploring: jax.typing.ArrayLike, *, min_depth: int = 1,
                   active: jax.typing.ArrayLike | None = None,
-                  budget: jax.typing.ArrayLike | None = None) -> jax.Array:
+                  budget: jax.typing.ArrayLike | None = None,
+                  cap: jax.typing.ArrayLike = 0) -> jax.Array:
   """Reference drafting loop: the depth survival stop drafts for every request.
 
   Runs `keep_drafting` depth by depth exactly as an engine loop would, reading at depth
@@ -280,6 +298,7 @@ def drafted_depth(survival: jax.typing.ArrayLike, tau: jax.typing.ArrayLike,
     min_depth: as in `keep_drafting`.
     active: optional `[B]` bool; inactive slots draft nothing.
     budget: optional int scalar, the lagged budget, enabling the outranked prune.
+    cap: the batch's depth cap from earlier steps (0: none), as in `keep_drafting`.
 
   Returns:
     `[B]` int32 drafted depth (0 for inactive slots).
@@ -298,7 +317,7 @@ def drafted_depth(survival: jax.typing.ArrayLike, tau: jax.typing.ArrayLike,
     drafting, drafted = carry
     seen = jnp.where(jnp.arange(K)[None] < j, survival, 0.0)  # nothing deeper is read
     keep = keep_drafting(seen[:, j - 1], j, tau, exploring, drafting=drafting,
-                         min_depth=min_depth)
+                         min_depth=min_depth, cap=cap)
     if budget is not None:
       keep = keep & (exploring | ~outranked(seen, drafted, budget, active=active))
     drafted = drafted.at[:, j].set(keep)
@@ -355,6 +374,76 @@ def verified_count(survival: jax.typing.ArrayLike, depth: jax.typing.ArrayLike,
   return jnp.where(active, jnp.minimum(count, depth), 0).astype(jnp.int32)
 
 
+def optimal_depth(survival: jax.typing.ArrayLike, drafted: jax.typing.ArrayLike, cost, *,
+                  active: jax.typing.ArrayLike | None = None,
+                  num_drafting: jax.typing.ArrayLike | None = None) -> jax.Array:
+  """The drafting depth c a finished step's survivals call for, pricing drafter passes.
+
+  For every cap c = 1..K: the positions at depths <= c that were drafted, their
+  throughput-optimal budget and its ratio
+  `(R + s_(1) + ... + s_(n)) / ((c / K) draft_cost(d) + verify_cost(R + n))` (the budget
+  rule of section 4 with the drafter charged for the c of its K passes that ran); the
+  answer is the c of the largest ratio, ties to the smaller c. Positions deeper than a
+  request's drafted depth are unknown and count for nothing, so the answer is at most
+  the deepest drafted depth.
+
+  Args:
+    survival: `[B, K]` survivals of the finished step (entries not drafted are ignored).
+    drafted: `[B, K]` bool, positions drafted at that step (a prefix per slot).
+    cost: the `CostModel` the budget is chosen against (`draft_cost` covers all K passes).
+    active: optional `[B]` bool; R = its count (every active slot verifies one token).
+    num_drafting: slots that drafted (they set the drafting cost); default R.
+
+  Returns:
+    `[]` int32 in 1..K (1 when nothing was drafted).
+  """
+  survival, drafted, active = _check_bk(survival, drafted, active)
+  B, K = survival.shape
+  R = jnp.sum(active, dtype=jnp.int32)
+  d = R if num_drafting is None else jnp.asarray(num_drafting, jnp.int32)
+  flat = _ranked(survival, drafted).T.reshape(-1)           # position-major: i * B + b
+  order = jnp.argsort(-flat, stable=True)
+  values, depth = flat[order], (order // B) + 1              # [K B], depth of each entry
+  caps = jnp.arange(1, K + 1)
+  inside = (values[None] >= 0) & (depth[None] <= caps[:, None])            # [K, K B]
+  gains = jnp.cumsum(jnp.where(inside, values[None], 0.0), axis=1)
+  counts = jnp.cumsum(inside, axis=1, dtype=jnp.int32)
+  gains = jnp.concatenate([jnp.zeros((K, 1)), gains], axis=1)               # n = 0 first
+  counts = jnp.concatenate([jnp.zeros((K, 1), jnp.int32), counts], axis=1)
+  draft = (caps[:, None] / K) * cost.draft_cost(d)
+  tokens = R + counts
+  ratio = (R + gains) / jnp.maximum(draft + cost.verify_cost(tokens), 1e-12)
+  ratio = jnp.where(tokens < cost.verify_ms.shape[0], ratio, -jnp.inf)
+  best = jnp.max(ratio, axis=1)                                             # [K]
+  return (jnp.argmax(best) + 1).astype(jnp.int32)
+
+
+def next_depth_cap(survival: jax.typing.ArrayLike, drafted: jax.typing.ArrayLike, cost,
+                   cap: jax.typing.ArrayLike, *,
+                   active: jax.typing.ArrayLike | None = None,
+                   num_drafting: jax.typing.ArrayLike | None = None) -> jax.Array:
+  """The batch's depth cap for the NEXT step (pass pricing), from one finished step.
+
+  `c* = optimal_depth(...)` of this step; the next cap is c* when c* is below this
+  step's cap, and one deeper (at most K) when c* reached it: a cap whose deepest pass
+  still paid is probed one pass deeper, since deeper positions were never drafted and
+  cannot speak for themselves (exploring slots, which draft all K, also feed c*). A cap
+  of 0 means no cap (read as K). Like tau, the cap is used only at later steps.
+
+  Args:
+    survival, drafted, cost, active, num_drafting: as in `optimal_depth`.
+    cap: `[]` int, the cap this step drafted under (0: none).
+
+  Returns:
+    `[]` int32 in 1..K.
+  """
+  K = jnp.asarray(survival).shape[1]
+  cap = jnp.asarray(cap, jnp.int32)
+  cap = jnp.where(cap <= 0, K, jnp.minimum(cap, K))
+  best = optimal_depth(survival, drafted, cost, active=active, num_drafting=num_drafting)
+  return jnp.where(best < cap, best, jnp.minimum(cap + 1, K)).astype(jnp.int32)
+
+
 def make_early_stop(*, margin: float = 0.5, min_depth: int = 1,
                     prune_outranked: bool = False) -> EarlyStop:
   """Builds survival stop: `init`, `update` and a per-depth `keep_drafting`.
@@ -367,9 +456,11 @@ def make_early_stop(*, margin: float = 0.5, min_depth: int = 1,
 
   Returns:
     `EarlyStop(init, update, keep_drafting, params)` with
-    `init() -> StopState` (tau = 0: no stopping at the first step),
-    `update(state, survival [B,K], drafted [B,K], budget, *, active=None) -> StopState`
-    (call after the step's budget is known; a step that drafted nothing keeps tau), and
+    `init() -> StopState` (tau = 0 and no depth cap: no stopping at the first step),
+    `update(state, survival [B,K], drafted [B,K], budget, *, active=None, cost=None,
+    num_drafting=None) -> StopState` (call after the step's budget is known; a step that
+    drafted nothing keeps the state; with `cost`, the batch's depth cap is priced too:
+    `next_depth_cap`), and
     `keep_drafting(state, survival [B,K], drafted [B,K], depth, exploring [B], *,
     budget=None, active=None) -> [B] bool`: whether each slot drafts depth `depth + 1`,
     from the survivals and drafted mask of depths 1..`depth` (deeper entries are not
@@ -387,11 +478,17 @@ def make_early_stop(*, margin: float = 0.5, min_depth: int = 1,
   params = check_params(StopParams(margin, min_depth, prune_outranked))
 
   def init() -> StopState:
-    return StopState(tau=jnp.zeros((), jnp.float32))
+    return StopState(tau=jnp.zeros((), jnp.float32), cap=jnp.zeros((), jnp.int32))
 
-  def update(state: StopState, survival, drafted, budget, *, active=None) -> StopState:
+  def update(state: StopState, survival, drafted, budget, *, active=None, cost=None,
+             num_drafting=None) -> StopState:
     tau = threshold(survival, drafted, budget, margin=params.margin, active=active)
-    return StopState(tau=jnp.where(jnp.isnan(tau), state.tau, tau))
+    none = jnp.isnan(tau)  # nothing drafted: keep the state
+    cap = jnp.asarray(state.cap, jnp.int32)
+    if cost is not None:
+      cap = jnp.where(none, cap, next_depth_cap(survival, drafted, cost, cap, active=active,
+                                                num_drafting=num_drafting))
+    return StopState(tau=jnp.where(none, state.tau, tau), cap=cap)
 
   def keep(state: StopState, survival, drafted, depth, exploring, *, budget=None,
            active=None) -> jax.Array:
@@ -401,7 +498,7 @@ def make_early_stop(*, margin: float = 0.5, min_depth: int = 1,
     column = jnp.clip(depth - 1, 0, K - 1)
     out = keep_drafting(jnp.take(survival, column, axis=1), depth, state.tau, exploring,
                         drafting=jnp.take(drafted, column, axis=1),
-                        min_depth=params.min_depth)
+                        min_depth=params.min_depth, cap=state.cap)
     if params.prune_outranked:
       if budget is None:
         raise ValueError("budget: required with prune_outranked=True (the lagged budget)")

@@ -20,11 +20,17 @@ One step is enumerated exactly:
   are filled from the target (`step_laws`, several requests sharing the budget: this
   checks every position a step emits).
 
-Arms (`arm=`): "stop" (survival stop, tau from earlier steps), "confstop" (vLLM's
-DraftConfidenceStop, fixed verification of what was drafted), and the negative control
-"tau_now" (tau from THIS step's budget and survivals: the step drafts all K, then keeps
-the prefix whose survival clears margin x the smallest survival this step's own budget
-admits; draw-dependent, hence biased).
+Arms (`arm=`): "stop" (survival stop, tau and the batch depth cap from earlier steps),
+"confstop" (vLLM's DraftConfidenceStop, fixed verification of what was drafted), and two
+negative controls: "tau_now" (tau from THIS step's budget and survivals: the step drafts
+all K, then keeps the prefix whose survival clears margin x the smallest survival this
+step's own budget admits; draw-dependent, hence biased) and "cap_now" (pass pricing's
+depth cap from THIS step: draft all K, then cut every request at the depth
+`stopping.optimal_depth` finds for this step's own survivals).
+
+Pass pricing (`price=True`): the step's depth cap is `StepState.cap` and the next state's
+cap is `stopping.next_depth_cap` of the step, priced with `cost_model(toy)` (the toy's
+step cost split into a drafter part, `draft_share` of `step_cost[0]`, and the rest).
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from av_jax import stopping
+from av_jax.selection import CostModel
 
 ALL = 2**30   # a lagged budget that admits everything (the first step)
 
@@ -75,6 +82,15 @@ class StepState(NamedTuple):
   tau: float      # survival threshold from earlier steps (0 = none)
   budget: int     # lagged budget from the previous step
   step: int       # step counter (drives round-robin exploration)
+  cap: int = 0    # batch depth cap from earlier steps (pass pricing; 0 = none)
+
+
+def cost_model(toy, draft_share: float = 0.4) -> tuple[np.ndarray, np.ndarray]:
+  """(draft_ms [B + 1], verify_ms [B (K + 1) + 1]) with draft_ms[R] + verify_ms[R + n] =
+  step_cost[n]: the drafter costs `draft_share` of a step that verifies nothing."""
+  draft = draft_share * toy.step_cost[0]
+  verify = np.concatenate([np.full(toy.B, toy.step_cost[0] - draft), toy.step_cost - draft])
+  return np.full(toy.B + 1, draft), verify
 
 
 FIRST = StepState(tau=0.0, budget=ALL, step=1)
@@ -128,12 +144,12 @@ def _ranked(surv, depth):
   return jnp.where(jnp.arange(K)[None] < depth[:, None], surv, -1.0)
 
 
-ARMS = ("stop", "confstop", "tau_now")
+ARMS = ("stop", "confstop", "tau_now", "cap_now")
 
 
 @functools.partial(jax.jit, static_argnames="min_depth")
-def decide(surv, top1, tau, budget, exploring, step_cost, arm, margin, prune, conf, *,
-           min_depth=1):
+def decide(surv, top1, tau, budget, exploring, step_cost, arm, margin, prune, conf, cap,
+           cost, *, min_depth=1):
   """Drafted depth [N, B], verified count [N, B], next tau [N] and budget [N] per outcome.
 
   surv: [N, B, K] survivals of all K depths; top1: [N, B, K] q_max; tau, budget: the
@@ -148,12 +164,15 @@ def decide(surv, top1, tau, budget, exploring, step_cost, arm, margin, prune, co
     full = jnp.full((B,), K)
     # survival stop: tau from earlier steps.
     depth_stop = stopping.drafted_depth(s, tau, exploring, min_depth=min_depth,
-                                        budget=jnp.where(prune, budget, ALL))
+                                        budget=jnp.where(prune, budget, ALL), cap=cap)
     # Negative control: this step's own budget over all K depths, then its threshold.
     own = _optimal_budget(_ranked(s, full), step_cost, B)
     tau_now = stopping.threshold(s, jnp.ones((B, K), bool), own, margin=margin)
     depth_now = stopping.drafted_depth(s, tau_now, exploring, min_depth=min_depth)
     depth = jnp.where(arm == 0, depth_stop, depth_now)
+    # Negative control: the depth cap this step's own survivals call for.
+    cap_now = stopping.optimal_depth(s, jnp.ones((B, K), bool), cost)
+    depth = jnp.where(arm == 3, stopping.drafted_depth(s, 0.0, exploring, cap=cap_now), depth)
     verified = stopping.verified_count(s, depth, budget, exploring=exploring)
     # confstop: fixed verification of what the round drafted.
     conf_out = stopping.confidence_stop(t1, conf)
@@ -162,7 +181,8 @@ def decide(surv, top1, tau, budget, exploring, step_cost, arm, margin, prune, co
     drafted = jnp.arange(K)[None] < depth[:, None]
     next_budget = _optimal_budget(_ranked(s, depth), step_cost, B)
     next_tau = stopping.threshold(s, drafted, next_budget, margin=margin)
-    return depth, verified, next_tau, next_budget
+    next_cap = stopping.next_depth_cap(s, drafted, cost, cap, num_drafting=B)
+    return depth, verified, next_tau, next_budget, next_cap
 
   return jax.vmap(one)(surv, top1)
 
@@ -188,18 +208,24 @@ def verification_outcomes(toy: Toy, b: int, context: tuple, drafts, qs, m):
 
 
 def step(toy: Toy, contexts, state: StepState, *, arm, explore_every=0, margin=0.5,
-         prune=False, conf=0.5, min_depth=1):
+         prune=False, conf=0.5, min_depth=1, price=False, draft_share=0.4):
   """Enumerated outcomes of one step: per outcome (probability, depth [B], verified [B],
-  next state) and the draft arrays."""
+  next state) and the draft arrays. With `price`, the step drafts under `state.cap` and
+  the next caps are priced; without, no cap (the next caps returned are 0)."""
   drafts, probs, qs = joint_outcomes(toy, contexts)
   surv = np.cumprod(estimator_probs(toy, qs), axis=-1)
   exploring = exploring_slots(toy.B, state.step, explore_every)
-  depth, verified, next_tau, next_budget = map(np.asarray, decide(
+  draft_ms, verify_ms = cost_model(toy, draft_share)
+  cost = CostModel(jnp.asarray(draft_ms, jnp.float32), jnp.asarray(verify_ms, jnp.float32))
+  depth, verified, next_tau, next_budget, next_cap = map(np.asarray, decide(
       jnp.asarray(surv, jnp.float32), jnp.asarray(qs.max(-1), jnp.float32),
       jnp.float32(state.tau), jnp.int32(min(state.budget, ALL)), jnp.asarray(exploring),
       jnp.asarray(toy.step_cost, jnp.float32), jnp.int32(ARMS.index(arm)),
-      jnp.float32(margin), jnp.asarray(prune), jnp.float32(conf), min_depth=min_depth))
-  return drafts, probs, qs, depth, verified, next_tau, next_budget
+      jnp.float32(margin), jnp.asarray(prune), jnp.float32(conf),
+      jnp.int32(state.cap if price else 0), cost, min_depth=min_depth))
+  if not price:
+    next_cap = np.zeros_like(next_cap)
+  return drafts, probs, qs, depth, verified, next_tau, next_budget, next_cap
 
 
 def _fill(toy: Toy, b: int, tokens: tuple, L: int) -> np.ndarray:
@@ -230,8 +256,8 @@ def step_laws(toy: Toy, state: StepState, L: int, *, arm, explore_every=0, joint
   context, with tokens the step does not emit filled from the target; with `joint`, also
   the joint law [V]*(L*B) of all requests. Returns (laws [B, V..], joint or None, info)."""
   contexts = [()] * toy.B
-  drafts, probs, qs, depth, verified, _, _ = step(toy, contexts, state, arm=arm,
-                                                  explore_every=explore_every, **options)
+  drafts, probs, qs, depth, verified, _, _, _ = step(toy, contexts, state, arm=arm,
+                                                     explore_every=explore_every, **options)
   laws = np.zeros((toy.B,) + (toy.V,) * L)
   joint_law = np.zeros((toy.V,) * (L * toy.B)) if joint else None
   for n in range(len(probs)):
@@ -257,14 +283,15 @@ def emitted_law(toy: Toy, L: int, state: StepState = FIRST, *, arm, explore_ever
   as it takes: each step's state (tau, lagged budget) is the previous step's output."""
   assert toy.B == 1
   memo = {} if _memo is None else _memo
-  key = (context, L, float(state.tau), int(state.budget), state.step)
+  key = (context, L, float(state.tau), int(state.budget), state.step, int(state.cap))
   if key in memo:
     return memo[key]
-  drafts, probs, qs, depth, verified, next_tau, next_budget = step(
+  drafts, probs, qs, depth, verified, next_tau, next_budget, next_cap = step(
       toy, [context], state, arm=arm, explore_every=explore_every, **options)
   law = np.zeros((toy.V,) * L)
   for n in range(len(probs)):
-    nxt = StepState(tau=float(next_tau[n]), budget=int(next_budget[n]), step=state.step + 1)
+    nxt = StepState(tau=float(next_tau[n]), budget=int(next_budget[n]), step=state.step + 1,
+                    cap=int(next_cap[n]))
     for tokens, prob in verification_outcomes(toy, 0, context, drafts[n, 0], qs[n, 0],
                                               int(verified[n, 0])):
       if len(tokens) >= L:

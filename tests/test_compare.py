@@ -139,3 +139,17 @@ def test_confidence_thresholds_reach_the_engine():
     engine = E.make_engine(config, *fx.pair("eagle")[:2])
     assert engine.arm.threshold == want
     assert engine.decider.planner.config.confidence_threshold == want
+
+
+def test_a_comparison_without_a_static_arm_still_prints():
+  """Adaptive arms only (e.g. `--arms av,av-no-stop,confstop:0.8`): no best static arm,
+  and the table still prints (it crashed after the timing, losing the results)."""
+  row = dict(drafter="eagle", workload="mixed", concurrency=4, clock="wall", k=8, repeat=0,
+             tokens_per_s=10.0, per_request_tokens_per_s=2.5, wall_tokens_per_s=10.0,
+             wall_per_request_tokens_per_s=2.5, tokens_per_step=2.0, verified_per_step=1.0,
+             acceptance=0.5, drafted_share=1.0, draft_passes_per_step=3.0)
+  recs = C.records([dict(row, arm="av", mode="av"),
+                    dict(row, arm="av-no-stop", mode="av-no-stop", tokens_per_s=8.0)])
+  assert all(r["vs_best_static"] is None for r in recs)
+  text = C.format_group(recs)
+  assert "av: no static arm" in text and "av-no-stop: no static arm" in text

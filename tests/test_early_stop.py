@@ -8,6 +8,8 @@ context with the state the step produced. The emitted law must equal the target'
 1e-9; the negative control (tau from this step's own budget) must be visibly biased.
 """
 
+import dataclasses
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -244,6 +246,139 @@ def test_make_early_stop_state_and_per_depth_rule():
 
 
 # ----------------------------------------------------------------------------------------
+# Pass pricing: the batch's depth cap (docs/algorithm.md 10.7).
+
+
+def _optimal_depth_brute(surv, drafted, draft, verify, R, d):
+  """float64: for every cap c and budget n over the drafted positions at depths <= c,
+  (R + top-n survivals) / (c / K draft[d] + verify[R + n]); the best c, ties to smaller."""
+  B, K = surv.shape
+  ranked = np.minimum.accumulate(np.clip(surv, 0, 1), axis=1)
+  best, best_c = -np.inf, None
+  for c in range(1, K + 1):
+    vals = np.sort(ranked[:, :c][drafted[:, :c]])[::-1]
+    for n in range(len(vals) + 1):
+      if R + n >= len(verify):
+        break
+      r = (R + vals[:n].sum()) / (c / K * draft[d] + verify[R + n])
+      if r > best * (1 + 1e-6):
+        best, best_c = r, c
+  return best_c
+
+
+def test_optimal_depth_equals_brute_force():
+  rng = np.random.default_rng(3)
+  fn = jax.jit(stopping.optimal_depth)
+  for trial in range(40):
+    B, K = int(rng.integers(1, 5)), int(rng.integers(1, 6))
+    surv = np.cumprod(rng.uniform(0.2, 1.0, size=(B, K)), axis=1).astype(np.float32)
+    depth = rng.integers(0, K + 1, size=B)
+    drafted = np.arange(K)[None] < depth[:, None]
+    draft = np.full(B + 1, rng.uniform(0.1, 3.0))
+    verify = 1.0 + np.cumsum(rng.uniform(0.0, 0.5, size=B * (K + 1) + 1))
+    cost = av_jax.make_cost_model(draft, verify)
+    got = int(fn(surv, drafted, cost))
+    want = _optimal_depth_brute(surv.astype(np.float64), drafted, np.asarray(cost.draft_ms),
+                                np.asarray(cost.verify_ms), B, B)
+    assert got == want, (trial, surv, drafted, got, want)
+    assert got <= max(1, depth.max())        # never deeper than anything drafted
+
+
+def test_optimal_depth_prices_passes():
+  surv = jnp.array([[0.9, 0.8, 0.7, 0.6]])
+  flat = av_jax.make_cost_model(np.zeros(2), np.ones(6))       # passes free: all K
+  assert int(stopping.optimal_depth(surv, jnp.ones((1, 4), bool), flat)) == 4
+  dear = av_jax.make_cost_model(np.full(2, 8.0), np.ones(6))   # a pass costs 2 = 2 tokens
+  assert int(stopping.optimal_depth(surv, jnp.ones((1, 4), bool), dear)) == 1
+  # Only what was drafted counts: with depths 1-2 drafted the answer is at most 2.
+  assert int(stopping.optimal_depth(surv, jnp.array([[1, 1, 0, 0]], bool), flat)) == 2
+
+
+def test_next_depth_cap_shrinks_to_what_paid_and_probes_one_deeper():
+  surv = jnp.array([[0.9, 0.8, 0.7, 0.6], [0.9, 0.2, 0.1, 0.05]])
+  every = jnp.ones((2, 4), bool)
+  cost = av_jax.make_cost_model(np.full(3, 2.0), np.ones(11))  # a pass: 0.5
+  best = int(stopping.optimal_depth(surv, every, cost))
+  assert 1 <= best < 4
+  assert int(stopping.next_depth_cap(surv, every, cost, 0)) == best        # 0: no cap yet
+  assert int(stopping.next_depth_cap(surv, every, cost, 4)) == best        # shrinks
+  assert int(stopping.next_depth_cap(surv, every, cost, best)) == best + 1  # probes deeper
+  free = av_jax.make_cost_model(np.zeros(3), np.ones(11))
+  assert int(stopping.next_depth_cap(surv, every, free, 4)) == 4            # at most K
+  stop = stopping.make_early_stop()
+  state = stop.update(stop.init(), surv, every, 3, cost=cost)
+  assert int(state.cap) == best
+  kept = stop.update(state, surv, jnp.zeros((2, 4), bool), 3, cost=cost)   # nothing drafted
+  assert int(kept.cap) == best and float(kept.tau) == float(state.tau)
+  assert int(stop.update(stop.init(), surv, every, 3).cap) == 0             # not priced
+
+
+def test_keep_drafting_under_a_depth_cap():
+  surv = jnp.array([0.9, 0.9, 0.9])
+  exploring = jnp.array([False, True, False])
+  for cap, want in ((0, [True, True, True]), (3, [True, True, True]),
+                    (2, [False, True, False])):
+    np.testing.assert_array_equal(stopping.keep_drafting(surv, 2, 0.5, exploring, cap=cap),
+                                  want)
+  # min_depth is a floor under the cap; exploring slots draft all K.
+  np.testing.assert_array_equal(
+      stopping.keep_drafting(surv, 1, 0.5, exploring, cap=1, min_depth=2), [True] * 3)
+  full = jnp.tile(jnp.array([[0.9, 0.8, 0.7, 0.6]]), (3, 1))
+  np.testing.assert_array_equal(_drafted_depth(full, 0.0, exploring, cap=2), [2, 4, 2])
+  np.testing.assert_array_equal(_drafted_depth(full, 0.75, exploring, cap=3), [3, 4, 3])
+  np.testing.assert_array_equal(_drafted_depth(full, 0.85, exploring, cap=3), [2, 4, 2])
+
+
+def _cap_toy():
+  """`_adversarial_toy` with step cost [1, 1.35, 2, 2] and the drafter at 0.3 of a step
+  (`T.cost_model(toy, 0.3)`): the depth cap its own survivals call for is 3 after
+  (a, a) and 1 after (a, b), so a cap taken from THIS step decides on x2 whether x2 is
+  verified, and a cap carried to the next step differs by outcome."""
+  return dataclasses.replace(_adversarial_toy(), step_cost=np.array([1.0, 1.35, 2.0, 2.0]))
+
+
+def test_depth_cap_from_earlier_steps_is_exact():
+  toy = _cap_toy()
+  drafts, _, _, depth, _, _, _, next_cap = T.step(toy, [()], T.StepState(0.0, 3, 1, 3),
+                                                  arm="stop", price=True, draft_share=0.3)
+  # The next cap differs by outcome (3 after (a, a), 1 otherwise): the multi-step laws
+  # below run under caps the earlier steps' draws chose.
+  np.testing.assert_array_equal(next_cap, np.where((drafts[:, 0, :2] == A).all(1), 3, 1))
+  for L in (2, 3):
+    target = T.target_law(toy, 0, L)
+    for cap in (0, 1, 2, 3):
+      for explore_every in (0, 2):
+        law = T.emitted_law(toy, L, T.StepState(0.0, 3, 1, cap), arm="stop", price=True,
+                            draft_share=0.3, explore_every=explore_every)
+        assert _tv(law, target) < EXACT, (L, cap, explore_every)
+
+
+def test_negative_control_depth_cap_from_this_step_is_biased():
+  toy = _cap_toy()
+  drafts, _, _, depth, _, _, _, _ = T.step(toy, [()], T.StepState(0.0, 3, 1), arm="cap_now",
+                                           draft_share=0.3)
+  np.testing.assert_array_equal(depth[:, 0], np.where((drafts[:, 0, :2] == A).all(1), 3, 1))
+  for L in (2, 3):
+    law = T.emitted_law(toy, L, T.StepState(0.0, 3, 1), arm="cap_now", draft_share=0.3)
+    assert _tv(law, T.target_law(toy, 0, L)) > BIASED, L
+
+
+def test_depth_cap_with_two_requests_sharing_the_budget_is_exact():
+  toy = _two_request_toy()
+  L = toy.K + 1
+  targets = [T.target_law(toy, b, L) for b in range(2)]
+  for state in (T.StepState(0.7, 3, 1, 2), T.StepState(0.0, 4, 1, 1),
+                T.StepState(0.0, 6, 2, 2)):
+    for share in (0.3, 0.8):
+      laws, _, info = T.step_laws(toy, state, L, arm="stop", explore_every=2, price=True,
+                                  draft_share=share)
+      for b in range(2):
+        assert _tv(laws[b], targets[b]) < EXACT, (state, share, b)
+      explored = T.exploring_slots(2, state.step, 2)
+      assert np.all(info["depth"][:, ~explored] <= state.cap)
+
+
+# ----------------------------------------------------------------------------------------
 # confstop:T (vLLM's DraftConfidenceStop).
 
 
@@ -327,11 +462,11 @@ STATES = [T.FIRST] + [T.StepState(tau, budget, 1) for tau in (0.0, 0.7, np.inf)
 
 def test_adversarial_threshold_splits_on_the_first_draft():
   toy = _adversarial_toy()
-  drafts, _, _, depth, verified, _, _ = T.step(toy, [()], T.StepState(0.7, 3, 1), arm="stop")
+  drafts, _, _, depth, verified, _, _, _ = T.step(toy, [()], T.StepState(0.7, 3, 1), arm="stop")
   np.testing.assert_array_equal(depth[:, 0], np.where(drafts[:, 0, 0] == A, 3, 2))
   np.testing.assert_array_equal(verified[:, 0], np.where(drafts[:, 0, 0] == A, 3, 2))
   # The negative control's depth depends on x2 itself.
-  drafts, _, _, depth, _, _, _ = T.step(toy, [()], T.StepState(0.7, 3, 1), arm="tau_now",
+  drafts, _, _, depth, _, _, _, _ = T.step(toy, [()], T.StepState(0.7, 3, 1), arm="tau_now",
                                         margin=1.0)
   np.testing.assert_array_equal(depth[:, 0], np.where((drafts[:, 0, :2] == A).all(1), 3, 1))
 

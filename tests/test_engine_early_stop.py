@@ -324,3 +324,38 @@ def test_idle_slots_draft_nothing_and_change_nothing(mode):
   empty = E.init_state(engine, params, fx.key(4))
   _, info0 = run(engine, params, empty, 4)
   assert (np.asarray(info0.draft_passes) == 0).all()
+
+
+# ------------------------------------------------------- pass pricing (depth cap)
+
+
+@pytest.mark.parametrize("draft_ms,want_cap", [(40.0, 1), (0.0, 4)])
+def test_depth_cap_bounds_the_drafting_loop(draft_ms, want_cap):
+  """`av` drafts no slot but the exploring one beyond the cap the earlier steps chose
+  (docs/algorithm.md 10.7): with dear passes the cap falls to 1 and the loop runs one
+  pass on non-exploring steps; with free passes it stays at K."""
+  cfg, drafter, params = fx.pair("eagle")
+  B, K, every = 3, 4, 4
+  engine = E.make_engine(E.EngineConfig(num_slots=B, max_draft=K, max_len=48, mode="av",
+                                        temperature=1.0, num_buckets=1, explore_every=every),
+                         cfg, drafter)
+  cost = av_jax.make_cost_model(np.full(B + 1, draft_ms), 1.0 + 0.01 * np.arange(B * (K + 1) + 1))
+  state = E.init_state(engine, params, fx.key(7), cost)
+  for slot in range(B):
+    state = E.prefill(engine, params, state, prompt=jnp.asarray([1 + slot, 2, 3, 4], jnp.int32),
+                      prompt_len=jnp.int32(4), slot=jnp.int32(slot), max_new=jnp.int32(30))
+  step = jax.jit(E.step, static_argnums=0)
+  caps = []
+  for _ in range(10):
+    cap = int(state.planner.depth_cap)
+    exploring_step = int(state.planner.step) % every == 0
+    state, info = step(engine, params, state)
+    depth = np.asarray(info.drafted_depth)
+    caps.append(cap)
+    if cap > 0:
+      over = depth > cap
+      assert over.sum() <= (1 if exploring_step else 0), (cap, depth)
+      if not over.any():
+        assert int(info.draft_passes) <= cap
+  assert caps[0] == 0                       # no cap before any step
+  assert caps[-1] == want_cap, caps

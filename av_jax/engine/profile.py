@@ -114,10 +114,12 @@ def whole_step_ms(engine: core.Engine, params: core.Params, state: core.DecodeSt
       "one": planner._replace(slot_pays=jnp.arange(B) == 0,
                               budget=jnp.asarray(K, planner.budget.dtype),
                               tau=jnp.zeros_like(planner.tau),
+                              depth_cap=jnp.zeros_like(planner.depth_cap),
                               step=jnp.ones_like(planner.step)),
       "full": planner._replace(slot_pays=jnp.ones_like(planner.slot_pays),
                                budget=jnp.asarray(B * K, planner.budget.dtype),
                                tau=jnp.zeros_like(planner.tau),
+                               depth_cap=jnp.zeros_like(planner.depth_cap),
                                step=jnp.ones_like(planner.step))}
   chunk = batching.compiled(engine)[1]
   out = {}

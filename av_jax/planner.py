@@ -78,6 +78,9 @@ class PlannerConfig:
   stop_min_depth: int = 1        # survival stop: every drafting request drafts this many
   stop_price_passes: bool = True  # survival stop: cap the batch's depth at the depth whose
                                   # passes paid at the previous step (pass pricing)
+  stop_deep_explore_every: int = 4  # pass pricing: an exploring slot drafts all K on every
+                                    # this many exploration steps, one past the cap on
+                                    # the others
   confidence_threshold: float = 0.5  # confstop: T on the drafts' top-1 probability
 
   def __post_init__(self):
@@ -96,6 +99,9 @@ class PlannerConfig:
     stopping.check_params(stopping.StopParams(self.stop_margin, self.stop_min_depth))
     if not isinstance(self.stop_price_passes, bool):
       raise ValueError(f"stop_price_passes: expected a bool, got {self.stop_price_passes!r}")
+    d = self.stop_deep_explore_every
+    if isinstance(d, bool) or not isinstance(d, int) or d < 1:
+      raise ValueError(f"stop_deep_explore_every: expected an integer >= 1, got {d!r}")
     t = self.confidence_threshold
     if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0.0 <= t <= 1.0:
       raise ValueError(f"confidence_threshold: expected a number in [0, 1], got {t!r}")
@@ -393,9 +399,14 @@ def make_planner(
       surv = jnp.where(drafted, survival(probs), 0.0)
       state = complete(state)
       explored = explored_slots(state, active, slots)
-      cap = state.depth_cap if config.stop_price_passes else 0
+      cap = jnp.asarray(state.depth_cap if config.stop_price_passes else 0, jnp.int32)
+      # Exploration under a cap: all K on every `stop_deep_explore_every`-th exploration
+      # step (labels at every depth), one past the cap on the others (labels where the
+      # next pass would be priced); from the step counter and the cap only.
+      deep = (state.step // max(explore_every, 1)) % config.stop_deep_explore_every == 0
+      explore_cap = jnp.where((cap > 0) & ~deep, cap + 1, 0).astype(jnp.int32)
       return early.keep_drafting(stopping.StopState(tau=jnp.asarray(state.tau, jnp.float32),
-                                                    cap=jnp.asarray(cap, jnp.int32)),
+                                                    cap=cap, explore_cap=explore_cap),
                                  surv, drafted, depth, explored, active=active)
     if stop == "confidence":
       if top1 is None:

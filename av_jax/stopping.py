@@ -20,7 +20,8 @@ runs while any of 64 requests clears tau pays for passes whose drafts the budget
 trims. After each step `next_depth_cap` finds the depth c* whose passes paid at that step
 (`optimal_depth`: the budget rule with the drafter charged c / K of its cost) and the next
 step drafts no request but an exploring one beyond it (one pass deeper when c* reached the
-cap, so a cap can grow back). A decision that reads nothing of the current step is exact
+cap, so a cap can grow back; the planner lets an exploring request draft one past the cap,
+and all K on every few exploration steps: `StopState.explore_cap`). A decision that reads nothing of the current step is exact
 for the same reason as tau (docs/algorithm.md 10.7).
 
 Verification then allocates the lagged budget over the drafted prefixes only
@@ -67,6 +68,9 @@ class StopState(NamedTuple):
   # [] int32, the batch's depth cap for this step (pass pricing, `next_depth_cap`), from
   # earlier steps only; 0: no cap.
   cap: jax.Array | int = 0
+  # [] int32, the depth an exploring request drafts to this step (from the step counter
+  # and the cap, never from this step's draws); 0: all K.
+  explore_cap: jax.Array | int = 0
 
 
 class EarlyStop(NamedTuple):
@@ -178,11 +182,12 @@ def threshold(survival: jax.typing.ArrayLike, drafted: jax.typing.ArrayLike,
 def keep_drafting(survival: jax.typing.ArrayLike, depth: jax.typing.ArrayLike,
                   tau: jax.typing.ArrayLike, exploring: jax.typing.ArrayLike, *,
                   drafting: jax.typing.ArrayLike | None = None,
-                  min_depth: int = 1, cap: jax.typing.ArrayLike = 0) -> jax.Array:
+                  min_depth: int = 1, cap: jax.typing.ArrayLike = 0,
+                  explore_cap: jax.typing.ArrayLike = 0) -> jax.Array:
   """Whether each request drafts depth `depth + 1`, given its depth-`depth` survival.
 
-  `keep[b] = drafting[b] & (exploring[b] | depth < min_depth |
-  (S[b, depth] >= tau & depth < cap))`, a cap of 0 meaning none.
+  `keep[b] = drafting[b] & ((exploring[b] & depth < explore_cap) | depth < min_depth |
+  (S[b, depth] >= tau & depth < cap))`, a cap or explore cap of 0 meaning none.
   Stopping is absorbing (`drafting` is whether b drafted depth `depth`). NaN survivals
   are read as 0, like the allocation does. With `tau = 0` (no previous step) every
   drafting request continues. The caller also bounds the loop by K (`any_drafting`).
@@ -196,6 +201,8 @@ def keep_drafting(survival: jax.typing.ArrayLike, depth: jax.typing.ArrayLike,
     min_depth: every drafting request drafts at least this many depths.
     cap: `[]` int, the batch's depth cap from earlier steps (`next_depth_cap`): no
       request but an exploring one drafts beyond it; 0 (default): no cap.
+    explore_cap: `[]` int, how deep an exploring request drafts (from the step counter
+      and earlier steps); 0 (default): all K.
 
   Returns:
     `[B]` bool.
@@ -221,6 +228,8 @@ def keep_drafting(survival: jax.typing.ArrayLike, depth: jax.typing.ArrayLike,
   s = jnp.clip(jnp.nan_to_num(survival, nan=0.0), 0.0, 1.0)
   cap = jnp.asarray(cap, jnp.int32)
   under_cap = (cap <= 0) | (depth < cap)
+  explore_cap = jnp.asarray(explore_cap, jnp.int32)
+  exploring = exploring & ((explore_cap <= 0) | (depth < explore_cap))
   return drafting & (exploring | (depth < min_depth) | ((s >= tau) & under_cap))
 
 
@@ -282,7 +291,8 @@ def drafted_depth(survival: jax.typing.ArrayLike, tau: jax.typing.ArrayLike,
                   exploring: jax.typing.ArrayLike, *, min_depth: int = 1,
                   active: jax.typing.ArrayLike | None = None,
                   budget: jax.typing.ArrayLike | None = None,
-                  cap: jax.typing.ArrayLike = 0) -> jax.Array:
+                  cap: jax.typing.ArrayLike = 0,
+                  explore_cap: jax.typing.ArrayLike = 0) -> jax.Array:
   """Reference drafting loop: the depth survival stop drafts for every request.
 
   Runs `keep_drafting` depth by depth exactly as an engine loop would, reading at depth
@@ -299,6 +309,7 @@ def drafted_depth(survival: jax.typing.ArrayLike, tau: jax.typing.ArrayLike,
     active: optional `[B]` bool; inactive slots draft nothing.
     budget: optional int scalar, the lagged budget, enabling the outranked prune.
     cap: the batch's depth cap from earlier steps (0: none), as in `keep_drafting`.
+    explore_cap: how deep exploring requests draft (0: all K), as in `keep_drafting`.
 
   Returns:
     `[B]` int32 drafted depth (0 for inactive slots).
@@ -317,7 +328,7 @@ def drafted_depth(survival: jax.typing.ArrayLike, tau: jax.typing.ArrayLike,
     drafting, drafted = carry
     seen = jnp.where(jnp.arange(K)[None] < j, survival, 0.0)  # nothing deeper is read
     keep = keep_drafting(seen[:, j - 1], j, tau, exploring, drafting=drafting,
-                         min_depth=min_depth, cap=cap)
+                         min_depth=min_depth, cap=cap, explore_cap=explore_cap)
     if budget is not None:
       keep = keep & (exploring | ~outranked(seen, drafted, budget, active=active))
     drafted = drafted.at[:, j].set(keep)
@@ -488,7 +499,8 @@ def make_early_stop(*, margin: float = 0.5, min_depth: int = 1,
     if cost is not None:
       cap = jnp.where(none, cap, next_depth_cap(survival, drafted, cost, cap, active=active,
                                                 num_drafting=num_drafting))
-    return StopState(tau=jnp.where(none, state.tau, tau), cap=cap)
+    return StopState(tau=jnp.where(none, state.tau, tau), cap=cap,
+                     explore_cap=state.explore_cap)
 
   def keep(state: StopState, survival, drafted, depth, exploring, *, budget=None,
            active=None) -> jax.Array:
@@ -498,7 +510,8 @@ def make_early_stop(*, margin: float = 0.5, min_depth: int = 1,
     column = jnp.clip(depth - 1, 0, K - 1)
     out = keep_drafting(jnp.take(survival, column, axis=1), depth, state.tau, exploring,
                         drafting=jnp.take(drafted, column, axis=1),
-                        min_depth=params.min_depth, cap=state.cap)
+                        min_depth=params.min_depth, cap=state.cap,
+                        explore_cap=state.explore_cap)
     if params.prune_outranked:
       if budget is None:
         raise ValueError("budget: required with prune_outranked=True (the lagged budget)")

@@ -30,7 +30,8 @@ depth cap from THIS step: draft all K, then cut every request at the depth
 
 Pass pricing (`price=True`): the step's depth cap is `StepState.cap` and the next state's
 cap is `stopping.next_depth_cap` of the step, priced with `cost_model(toy)` (the toy's
-step cost split into a drafter part, `draft_share` of `step_cost[0]`, and the rest).
+step cost split into a drafter part, `draft_share` of `step_cost[0]`, and the rest);
+`explore_cap` bounds how deep an exploring request drafts (0: all K).
 """
 
 from __future__ import annotations
@@ -149,7 +150,7 @@ ARMS = ("stop", "confstop", "tau_now", "cap_now")
 
 @functools.partial(jax.jit, static_argnames="min_depth")
 def decide(surv, top1, tau, budget, exploring, step_cost, arm, margin, prune, conf, cap,
-           cost, *, min_depth=1):
+           cost, explore_cap, *, min_depth=1):
   """Drafted depth [N, B], verified count [N, B], next tau [N] and budget [N] per outcome.
 
   surv: [N, B, K] survivals of all K depths; top1: [N, B, K] q_max; tau, budget: the
@@ -164,7 +165,8 @@ def decide(surv, top1, tau, budget, exploring, step_cost, arm, margin, prune, co
     full = jnp.full((B,), K)
     # survival stop: tau from earlier steps.
     depth_stop = stopping.drafted_depth(s, tau, exploring, min_depth=min_depth,
-                                        budget=jnp.where(prune, budget, ALL), cap=cap)
+                                        budget=jnp.where(prune, budget, ALL), cap=cap,
+                                        explore_cap=explore_cap)
     # Negative control: this step's own budget over all K depths, then its threshold.
     own = _optimal_budget(_ranked(s, full), step_cost, B)
     tau_now = stopping.threshold(s, jnp.ones((B, K), bool), own, margin=margin)
@@ -208,7 +210,7 @@ def verification_outcomes(toy: Toy, b: int, context: tuple, drafts, qs, m):
 
 
 def step(toy: Toy, contexts, state: StepState, *, arm, explore_every=0, margin=0.5,
-         prune=False, conf=0.5, min_depth=1, price=False, draft_share=0.4):
+         prune=False, conf=0.5, min_depth=1, price=False, draft_share=0.4, explore_cap=0):
   """Enumerated outcomes of one step: per outcome (probability, depth [B], verified [B],
   next state) and the draft arrays. With `price`, the step drafts under `state.cap` and
   the next caps are priced; without, no cap (the next caps returned are 0)."""
@@ -222,7 +224,8 @@ def step(toy: Toy, contexts, state: StepState, *, arm, explore_every=0, margin=0
       jnp.float32(state.tau), jnp.int32(min(state.budget, ALL)), jnp.asarray(exploring),
       jnp.asarray(toy.step_cost, jnp.float32), jnp.int32(ARMS.index(arm)),
       jnp.float32(margin), jnp.asarray(prune), jnp.float32(conf),
-      jnp.int32(state.cap if price else 0), cost, min_depth=min_depth))
+      jnp.int32(state.cap if price else 0), cost, jnp.int32(explore_cap),
+      min_depth=min_depth))
   if not price:
     next_cap = np.zeros_like(next_cap)
   return drafts, probs, qs, depth, verified, next_tau, next_budget, next_cap

@@ -353,6 +353,22 @@ def test_depth_cap_from_earlier_steps_is_exact():
         assert _tv(law, target) < EXACT, (L, cap, explore_every)
 
 
+def test_exploring_under_a_cap_draws_only_to_its_explore_cap_and_stays_exact():
+  surv = jnp.tile(jnp.array([[0.9, 0.8, 0.7, 0.6]]), (3, 1))
+  exploring = jnp.array([False, True, False])
+  np.testing.assert_array_equal(_drafted_depth(surv, 0.0, exploring, cap=1, explore_cap=2),
+                                [1, 2, 1])
+  np.testing.assert_array_equal(_drafted_depth(surv, 0.0, exploring, cap=1, explore_cap=0),
+                                [1, 4, 1])
+  toy = _cap_toy()
+  for L in (2, 3):
+    target = T.target_law(toy, 0, L)
+    for cap, explore_cap in ((1, 2), (2, 3), (1, 0)):
+      law = T.emitted_law(toy, L, T.StepState(0.0, 3, 1, cap), arm="stop", price=True,
+                          draft_share=0.3, explore_every=1, explore_cap=explore_cap)
+      assert _tv(law, target) < EXACT, (L, cap, explore_cap)
+
+
 def test_negative_control_depth_cap_from_this_step_is_biased():
   toy = _cap_toy()
   drafts, _, _, depth, _, _, _, _ = T.step(toy, [()], T.StepState(0.0, 3, 1), arm="cap_now",
@@ -563,3 +579,29 @@ def test_random_two_request_instances_are_exact():
     laws, _, _ = T.step_laws(toy, state, L, arm="stop", explore_every=2, margin=0.5)
     for b in range(2):
       assert _tv(laws[b], T.target_law(toy, b, L)) < EXACT, (seed, state, b)
+
+
+def test_planner_explores_one_past_the_cap_and_all_k_on_deep_steps():
+  """The planner's survival stop under a depth cap of 2 (K = 4, explore_every 4, B = 4):
+  the exploring slot drafts to 3 on ordinary exploration steps and to K on every
+  `stop_deep_explore_every`-th one; the other slots stop at the cap."""
+  planner = av_jax.make_planner(policy="lagged", draft_stop="survival", explore_every=4,
+                                stop_deep_explore_every=4)
+  probs = jnp.full((4, 4), 0.95)
+  active = jnp.ones((4,), bool)
+
+  def keep(step, depth):
+    state = planner.init(4)._replace(depth_cap=jnp.int32(2), step=jnp.int32(step))
+    drafted = jnp.arange(4)[None] < depth
+    return np.asarray(planner.keep_drafting(state, probs, jnp.broadcast_to(drafted, (4, 4)),
+                                            depth, active=active))
+  # step 4: exploration of slot 1, not deep ((4 // 4) % 4 = 1).
+  np.testing.assert_array_equal(keep(4, 2), [False, True, False, False])
+  np.testing.assert_array_equal(keep(4, 3), [False, False, False, False])
+  # step 16: exploration of slot 0, deep ((16 // 4) % 4 = 0): all K.
+  np.testing.assert_array_equal(keep(16, 3), [True, False, False, False])
+  # a step that does not explore: everyone stops at the cap.
+  np.testing.assert_array_equal(keep(5, 2), [False] * 4)
+  np.testing.assert_array_equal(keep(5, 1), [True] * 4)
+  with pytest.raises(ValueError, match="^stop_deep_explore_every"):
+    av_jax.make_planner(policy="lagged", draft_stop="survival", stop_deep_explore_every=0)

@@ -9,6 +9,7 @@ synthetic simulator and the studies name arms from here and nowhere else.
 | `fixed`       | yes    | -                     | `fixed` (all K of every slot)  | what it verified   |
 | `av`          | yes    | the online estimator  | exact for the drafter          | what it verified   |
 | `av-no-price` | yes    | the online estimator  | exact for the drafter          | what it verified   |
+| `av-cap`      | yes    | the online estimator  | exact for the drafter          | what it verified   |
 | `av-no-stop`  | yes    | the online estimator  | exact for the drafter          | what it verified   |
 | `av_head`     | yes    | the confidence head   | exact for the drafter          | what it verified   |
 | `confstop`    | yes    | -                     | `fixed`, confidence stop       | what it verified   |
@@ -20,7 +21,8 @@ request drafts depth j+1 only while its survival at depth j is at least a thresh
 from earlier steps; the lagged budget is allocated over the drafted positions; and the
 batch drafts no request (but an exploring one) beyond the depth whose passes paid at the
 previous step (*pass pricing*, `stopping.next_depth_cap`). `av-no-price` is survival stop
-without pass pricing (the `av` of before it). `av-no-stop` is AV drafting all K depths (the `av` of before survival stop). With a
+without pass pricing (the `av` of before it); `av-cap` is pass pricing without the per-request
+tau (the batch cap alone stops drafting; an experiment). `av-no-stop` is AV drafting all K depths (the `av` of before survival stop). With a
 parallel drafter (one pass drafts all K) both are the same arm. `confstop:T` is vLLM's
 `DraftConfidenceStop`: the batch drafts depth j+1 while some request's drafts so far all
 have top-1 probability >= T, and every request verifies the same count (no budget).
@@ -49,6 +51,7 @@ class Arm(NamedTuple):
                        # (survival stop, `av_jax.stopping`) or "confidence" (`confstop:T`)
   threshold: float | None = None  # T of the "confidence" stop; None for the others
   price_passes: bool = True  # survival stop also caps the batch's depth (pass pricing)
+  tau: bool = True           # survival stop also stops each request below tau
 
 
 ARMS: dict[str, Arm] = {
@@ -60,6 +63,8 @@ ARMS: dict[str, Arm] = {
               stop="survival"),
     "av-no-price": Arm("av-no-price", drafts=True, adaptive=True, head=False,
                        hindsight=False, policy=None, stop="survival", price_passes=False),
+    "av-cap": Arm("av-cap", drafts=True, adaptive=True, head=False, hindsight=False,
+                  policy=None, stop="survival", tau=False),
     "av-no-stop": Arm("av-no-stop", drafts=True, adaptive=True, head=False, hindsight=False,
                       policy=None),
     "av_head": Arm("av_head", drafts=True, adaptive=True, head=True, hindsight=False,

@@ -78,6 +78,8 @@ class PlannerConfig:
   stop_min_depth: int = 1        # survival stop: every drafting request drafts this many
   stop_price_passes: bool = True  # survival stop: cap the batch's depth at the depth whose
                                   # passes paid at the previous step (pass pricing)
+  stop_tau: bool = True          # survival stop: requests below tau stop (False: only the
+                                 # depth cap of pass pricing and min_depth stop drafting)
   stop_deep_explore_every: int = 4  # pass pricing: an exploring slot drafts all K on every
                                     # this many exploration steps, one past the cap on
                                     # the others
@@ -97,6 +99,8 @@ class PlannerConfig:
     if self.draft_stop not in STOPS:
       raise ValueError(f"draft_stop: expected one of {STOPS}, got {self.draft_stop!r}")
     stopping.check_params(stopping.StopParams(self.stop_margin, self.stop_min_depth))
+    if not isinstance(self.stop_tau, bool):
+      raise ValueError(f"stop_tau: expected a bool, got {self.stop_tau!r}")
     if not isinstance(self.stop_price_passes, bool):
       raise ValueError(f"stop_price_passes: expected a bool, got {self.stop_price_passes!r}")
     d = self.stop_deep_explore_every
@@ -405,8 +409,8 @@ def make_planner(
       # next pass would be priced); from the step counter and the cap only.
       deep = (state.step // max(explore_every, 1)) % config.stop_deep_explore_every == 0
       explore_cap = jnp.where((cap > 0) & ~deep, cap + 1, 0).astype(jnp.int32)
-      return early.keep_drafting(stopping.StopState(tau=jnp.asarray(state.tau, jnp.float32),
-                                                    cap=cap, explore_cap=explore_cap),
+      tau = jnp.asarray(state.tau if config.stop_tau else 0.0, jnp.float32)
+      return early.keep_drafting(stopping.StopState(tau=tau, cap=cap, explore_cap=explore_cap),
                                  surv, drafted, depth, explored, active=active)
     if stop == "confidence":
       if top1 is None:
@@ -491,7 +495,8 @@ def make_planner(
         stop_state = early.update(
             stopping.StopState(tau=jnp.asarray(tau, jnp.float32), cap=state.depth_cap), surv,
             drafted & drafting[:, None], optimal, active=active, num_drafting=d,
-            cost=cost if config.stop_price_passes else None)
+            cost=cost if config.stop_price_passes else None,
+            probe=exploring(state) | (explore_every <= 0))
         tau = jnp.where(any_drafted, stop_state.tau, tau)
         depth_cap = jnp.where(any_drafted, stop_state.cap, depth_cap)
     else:

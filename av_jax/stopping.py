@@ -20,9 +20,10 @@ runs while any of 64 requests clears tau pays for passes whose drafts the budget
 trims. After each step `next_depth_cap` finds the depth c* whose passes paid at that step
 (`optimal_depth`: the budget rule with the drafter charged c / K of its cost) and the next
 step drafts no request but an exploring one beyond it (one pass deeper when c* reached the
-cap, so a cap can grow back; the planner lets an exploring request draft one past the cap,
-and all K on every few exploration steps: `StopState.explore_cap`). A decision that reads nothing of the current step is exact
-for the same reason as tau (docs/algorithm.md 10.7).
+cap after an exploration step, so a cap can grow back; the planner lets an exploring
+request draft one past the cap, and all K on every few exploration steps:
+`StopState.explore_cap`). A decision that reads nothing of the current step is exact for
+the same reason as tau (docs/algorithm.md 10.7).
 
 Verification then allocates the lagged budget over the drafted prefixes only
 (`verified_count`): `num_verified[b] = min(allocation of b, drafted depth of b)`, and an
@@ -432,18 +433,22 @@ def optimal_depth(survival: jax.typing.ArrayLike, drafted: jax.typing.ArrayLike,
 def next_depth_cap(survival: jax.typing.ArrayLike, drafted: jax.typing.ArrayLike, cost,
                    cap: jax.typing.ArrayLike, *,
                    active: jax.typing.ArrayLike | None = None,
-                   num_drafting: jax.typing.ArrayLike | None = None) -> jax.Array:
+                   num_drafting: jax.typing.ArrayLike | None = None,
+                   probe: jax.typing.ArrayLike = True) -> jax.Array:
   """The batch's depth cap for the NEXT step (pass pricing), from one finished step.
 
   `c* = optimal_depth(...)` of this step; the next cap is c* when c* is below this
-  step's cap, and one deeper (at most K) when c* reached it: a cap whose deepest pass
-  still paid is probed one pass deeper, since deeper positions were never drafted and
-  cannot speak for themselves (exploring slots, which draft all K, also feed c*). A cap
-  of 0 means no cap (read as K). Like tau, the cap is used only at later steps.
+  step's cap, and one deeper (at most K) when c* reached it and `probe` is set: a cap
+  whose deepest pass still paid is probed one pass deeper, since deeper positions were
+  never drafted and cannot speak for themselves (exploring slots, which draft deeper,
+  also feed c*). Without `probe` a cap that paid stays. A cap of 0 means no cap (read
+  as K). Like tau, the cap is used only at later steps.
 
   Args:
     survival, drafted, cost, active, num_drafting: as in `optimal_depth`.
     cap: `[]` int, the cap this step drafted under (0: none).
+    probe: `[]` bool, whether a cap that paid may grow after this step (the planner
+      probes after exploration steps only, from the step counter).
 
   Returns:
     `[]` int32 in 1..K.
@@ -452,7 +457,8 @@ def next_depth_cap(survival: jax.typing.ArrayLike, drafted: jax.typing.ArrayLike
   cap = jnp.asarray(cap, jnp.int32)
   cap = jnp.where(cap <= 0, K, jnp.minimum(cap, K))
   best = optimal_depth(survival, drafted, cost, active=active, num_drafting=num_drafting)
-  return jnp.where(best < cap, best, jnp.minimum(cap + 1, K)).astype(jnp.int32)
+  grown = jnp.where(jnp.asarray(probe), jnp.minimum(cap + 1, K), cap)
+  return jnp.where(best < cap, best, grown).astype(jnp.int32)
 
 
 def make_early_stop(*, margin: float = 0.5, min_depth: int = 1,
@@ -469,9 +475,9 @@ def make_early_stop(*, margin: float = 0.5, min_depth: int = 1,
     `EarlyStop(init, update, keep_drafting, params)` with
     `init() -> StopState` (tau = 0 and no depth cap: no stopping at the first step),
     `update(state, survival [B,K], drafted [B,K], budget, *, active=None, cost=None,
-    num_drafting=None) -> StopState` (call after the step's budget is known; a step that
-    drafted nothing keeps the state; with `cost`, the batch's depth cap is priced too:
-    `next_depth_cap`), and
+    num_drafting=None, probe=True) -> StopState` (call after the step's budget is known;
+    a step that drafted nothing keeps the state; with `cost`, the batch's depth cap is
+    priced too: `next_depth_cap`), and
     `keep_drafting(state, survival [B,K], drafted [B,K], depth, exploring [B], *,
     budget=None, active=None) -> [B] bool`: whether each slot drafts depth `depth + 1`,
     from the survivals and drafted mask of depths 1..`depth` (deeper entries are not
@@ -492,13 +498,13 @@ def make_early_stop(*, margin: float = 0.5, min_depth: int = 1,
     return StopState(tau=jnp.zeros((), jnp.float32), cap=jnp.zeros((), jnp.int32))
 
   def update(state: StopState, survival, drafted, budget, *, active=None, cost=None,
-             num_drafting=None) -> StopState:
+             num_drafting=None, probe=True) -> StopState:
     tau = threshold(survival, drafted, budget, margin=params.margin, active=active)
     none = jnp.isnan(tau)  # nothing drafted: keep the state
     cap = jnp.asarray(state.cap, jnp.int32)
     if cost is not None:
       cap = jnp.where(none, cap, next_depth_cap(survival, drafted, cost, cap, active=active,
-                                                num_drafting=num_drafting))
+                                                num_drafting=num_drafting, probe=probe))
     return StopState(tau=jnp.where(none, state.tau, tau), cap=cap,
                      explore_cap=state.explore_cap)
 

@@ -303,6 +303,8 @@ def test_next_depth_cap_shrinks_to_what_paid_and_probes_one_deeper():
   assert int(stopping.next_depth_cap(surv, every, cost, 0)) == best        # 0: no cap yet
   assert int(stopping.next_depth_cap(surv, every, cost, 4)) == best        # shrinks
   assert int(stopping.next_depth_cap(surv, every, cost, best)) == best + 1  # probes deeper
+  assert int(stopping.next_depth_cap(surv, every, cost, best, probe=False)) == best  # stays
+  assert int(stopping.next_depth_cap(surv, every, cost, 4, probe=False)) == best   # shrinks
   free = av_jax.make_cost_model(np.zeros(3), np.ones(11))
   assert int(stopping.next_depth_cap(surv, every, free, 4)) == 4            # at most K
   stop = stopping.make_early_stop()
@@ -605,3 +607,40 @@ def test_planner_explores_one_past_the_cap_and_all_k_on_deep_steps():
   np.testing.assert_array_equal(keep(5, 1), [True] * 4)
   with pytest.raises(ValueError, match="^stop_deep_explore_every"):
     av_jax.make_planner(policy="lagged", draft_stop="survival", stop_deep_explore_every=0)
+
+
+def test_planner_probes_a_deeper_cap_only_after_exploration_steps():
+  planner = av_jax.make_planner(policy="lagged", draft_stop="survival", explore_every=4)
+  B, K = 4, 4
+  probs = jnp.full((B, K), 0.95)
+  drafted = jnp.broadcast_to(jnp.arange(K)[None] < 2, (B, K))      # every slot drafted 2
+  free = av_jax.make_cost_model(np.zeros(B + 1), np.ones(B * (K + 1) + 1))
+
+  def next_cap(step):
+    state = planner.init(B)._replace(depth_cap=jnp.int32(2), step=jnp.int32(step))
+    _, new = planner.plan(state, probs, free, active=jnp.ones((B,), bool), drafted=drafted)
+    return int(new.depth_cap)
+  assert next_cap(4) == 3         # an exploration step: the paying cap is probed deeper
+  assert next_cap(5) == 2         # otherwise it stays
+  unpriced = av_jax.make_planner(policy="lagged", draft_stop="survival",
+                                 stop_price_passes=False)
+  _, new = unpriced.plan(unpriced.init(B), probs, free, active=jnp.ones((B,), bool),
+                         drafted=drafted)
+  assert int(new.depth_cap) == 0  # av-no-price keeps no cap
+
+
+def test_planner_without_tau_stops_at_the_cap_only():
+  probs = jnp.array([[0.9, 0.1, 0.1, 0.1], [0.9, 0.9, 0.9, 0.9]])
+  drafted = jnp.broadcast_to(jnp.arange(4)[None] < 2, (2, 4))
+  active = jnp.ones((2,), bool)
+  for stop_tau, want in ((True, [False, True]), (False, [True, True])):
+    planner = av_jax.make_planner(policy="lagged", draft_stop="survival", explore_every=0,
+                                  stop_tau=stop_tau)
+    state = planner.init(2)._replace(tau=jnp.float32(0.5), depth_cap=jnp.int32(3))
+    np.testing.assert_array_equal(planner.keep_drafting(state, probs, drafted, 2,
+                                                        active=active), want)
+    deeper = jnp.broadcast_to(jnp.arange(4)[None] < 3, (2, 4))   # the cap (3) stops both
+    np.testing.assert_array_equal(planner.keep_drafting(state, probs, deeper, 3,
+                                                        active=active), [False, False])
+  with pytest.raises(ValueError, match="^stop_tau"):
+    av_jax.make_planner(policy="lagged", draft_stop="survival", stop_tau=1)

@@ -338,7 +338,8 @@ def make_engine(config: EngineConfig, models: ModelsConfig | None = None,
   stop = arm.stop
   if stop == "survival" and not (drafter.drafting == "autoregressive" and drafter.stepwise):
     stop = "none"
-  stop_settings = dict(draft_stop=stop, stop_price_passes=arm.price_passes)
+  stop_settings = dict(draft_stop=stop, stop_price_passes=arm.price_passes,
+                       stop_tau=arm.tau)
   if arm.threshold is not None:
     stop_settings["confidence_threshold"] = arm.threshold
   decider = make_decider(

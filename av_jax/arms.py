@@ -21,9 +21,9 @@ request drafts depth j+1 only while its survival at depth j is at least a thresh
 from earlier steps; the lagged budget is allocated over the drafted positions; and the
 batch drafts no request (but an exploring one) beyond the depth whose passes paid at the
 previous step (*pass pricing*, `stopping.next_depth_cap`). `av-no-price` is survival stop
-without pass pricing (the `av` of before it); `av-cap` is pass pricing without the per-request
-tau (the batch cap alone stops drafting; an experiment). `av-no-stop` is AV drafting all K depths (the `av` of before survival stop). With a
-parallel drafter (one pass drafts all K) both are the same arm. `confstop:T` is vLLM's
+without pass pricing (the `av` of before it); `av-cap` is pass pricing without the
+per-request tau (the batch cap alone stops drafting; an experiment). `av-no-stop` is AV
+drafting all K depths (the `av` of before survival stop). With a parallel drafter (one pass drafts all K) both are the same arm. `confstop:T` is vLLM's
 `DraftConfidenceStop`: the batch drafts depth j+1 while some request's drafts so far all
 have top-1 probability >= T, and every request verifies the same count (no budget).
 

@@ -10,8 +10,9 @@ The rule of this module, *survival stop*:
 where `tau` comes from EARLIER steps only: `margin` times the smallest survival that the
 previous step's budget admitted (`threshold`; +inf after a budget of 0, 0 = no stopping
 before any step). Because `S[b, j+1] <= S[b, j]`, a stop only removes positions whose
-survival is below `tau`. Exploring slots (chosen by the step counter) always draft all K,
-so the estimator keeps receiving labels at every depth. The batch stops drafting when no
+survival is below `tau`. Exploring slots (chosen by the step counter) draft past tau, all
+K without a cap (under pass pricing, below: one past the cap, and all K on every few
+exploration steps), so the estimator keeps receiving labels at every depth. The batch stops drafting when no
 request continues (`any_drafting`, a `lax.while_loop` condition or a masked scan).
 
 *Pass pricing* adds a batch-level depth cap, also from earlier steps only: on an
@@ -197,7 +198,8 @@ def keep_drafting(survival: jax.typing.ArrayLike, depth: jax.typing.ArrayLike,
     survival: `[B]` survival `S[b, depth]` of each request's drafted prefix.
     depth: int scalar >= 1, depths drafted so far (traced is fine).
     tau: `[]` float threshold from earlier steps (`threshold`, `StopState.tau`).
-    exploring: `[B]` bool, slots verifying everything this step; they always continue.
+    exploring: `[B]` bool, slots verifying everything this step; they continue whatever
+      tau and the cap say, up to `explore_cap`.
     drafting: optional `[B]` bool, whether b drafted depth `depth` (default all).
     min_depth: every drafting request drafts at least this many depths.
     cap: `[]` int, the batch's depth cap from earlier steps (`next_depth_cap`): no

@@ -245,9 +245,10 @@ class Runner:
                log: Callable[[str], None] = print, compiled: dict | None = None):
     # compiled: {(drafter kind, slots, arm): engine} shared with another runner (a sweep
     # on another clock), so an engine is built and compiled once for both.
-    # warm_start: every run continues from the idle state the arm's previous run (first:
-    # the warm-up run) ended in, so the online estimator starts fitted, as in a server
-    # that has been running; False: every run starts from the estimator's prior.
+    # warm_start: every run of an adaptive arm continues from the idle state the arm's
+    # previous run (first: the warm-up run) ended in, so the online estimator starts
+    # fitted, as in a server that has been running; False: every run starts from the
+    # estimator's prior. A static arm has nothing to fit: its runs start fresh.
     self.warm_start = warm_start
     self._states: dict = {}
     self.temperature, self.top_p, self.max_len = temperature, top_p, max_len
@@ -292,10 +293,14 @@ class Runner:
             dataclasses.replace(config, mode="av"), pair.cfg, pair.drafter)
         cost, profile = prof.profile_costs(av_engine, params)
         self._profiles[key] = profile
-      warm = E.generate(engine, params, warm_prompts[:slots] if not self.warm_start
-                        else warm_prompts, max_new_tokens=arm.k + 2 if not self.warm_start
-                        else self.warm_tokens, key=jax.random.PRNGKey(self.seed), cost=cost)
-      if self.warm_start:
+      # Only an adaptive arm carries what a warm-up fits (the online estimator); a static
+      # arm's warm-up is a short run that compiles the program, so a warm-started sweep
+      # does not decode every prompt once more per static arm.
+      fit = self.warm_start and get_arm(arm.mode).adaptive
+      warm = E.generate(engine, params, warm_prompts if fit else warm_prompts[:slots],
+                        max_new_tokens=self.warm_tokens if fit else arm.k + 2,
+                        key=jax.random.PRNGKey(self.seed), cost=cost)
+      if fit:
         self._states[key] = warm.state
       self.log(f"  compiled {pair.drafter.kind} B={slots} {arm.name} in "
                f"{time.perf_counter() - start:.1f} s")
@@ -329,7 +334,7 @@ class Runner:
                         key=jax.random.PRNGKey(self.seed + 1 + repeat), cost=cost,
                         on_chunk=on_chunk, clock="wall" if tables is None else tables,
                         state=self._states.get(key))
-    if self.warm_start:
+    if key in self._states:  # an adaptive arm under warm_start continues from here
       self._states[key] = result.state
     seconds = time.perf_counter() - start
     active = np.concatenate([np.asarray(a) for a in active])
@@ -526,9 +531,10 @@ def compare(*, drafters: str | Sequence[str] = "block", workloads: str | Sequenc
     steps_per_chunk: decode steps per host sync.
     seed: prompts and keys.
     context_len: KV positions per request of a roofline clock.
-    warm_start: the warm-up run decodes every prompt for `max_new` tokens and each run
-      continues from the state the arm's previous run ended in (the estimator starts
-      fitted, as in a running server); False: every run starts from the prior.
+    warm_start: an adaptive arm's warm-up run decodes every prompt for `max_new` tokens
+      and each of its runs continues from the state its previous run ended in (the
+      estimator starts fitted, as in a running server); static arms have nothing to fit
+      and warm up with a short compile run only. False: every run starts from the prior.
     pairs: `{drafter kind: ModelPair}` to use instead of loading `models` (tests).
     prompts: `prompts(pair, workload, num=, length=, seed=)` instead of the held-out
       workload prompts (tests).

@@ -153,3 +153,27 @@ def test_a_comparison_without_a_static_arm_still_prints():
   assert all(r["vs_best_static"] is None for r in recs)
   text = C.format_group(recs)
   assert "av: no static arm" in text and "av-no-stop: no static arm" in text
+
+
+def test_a_warm_start_fits_only_adaptive_arms():
+  """Under warm_start only an adaptive arm decodes the warm-up prompts and continues from
+  its state (the estimator it fitted); a static arm warms up with a short compile run and
+  every run of it starts fresh, so a sweep does not decode every prompt once more per
+  static arm (the accelerator-scale study's time)."""
+  pair = _pair("block")
+  runner = C.Runner(temperature=1.0, top_p=1.0, max_len=40, refit_interval=4,
+                    steps_per_chunk=4, warm_start=True, log=lambda line: None)
+  runner.warm_tokens = 8
+  prompts = _prompts(pair, "code", num=4, length=6, seed=0)
+  fixed, av = C.parse_arms("fixed:2,av", max_draft=2)
+  runner.engine(pair, 2, fixed, prompts)
+  runner.engine(pair, 2, av, prompts)
+  assert ("block", 2, fixed) not in runner._states
+  warm = runner._states[("block", 2, av)]
+  # Every warm-up prompt decoded (each one's first token comes from its prefill).
+  assert int(jax.device_get(warm.stats.emitted)) == 4 * (8 - 1)
+  rows = {arm.name: runner.run(pair, 2, arm, prompts, max_new=6, repeat=0) for arm in (fixed, av)}
+  # Each run counts its own tokens only (the warm-up's are subtracted for the adaptive arm).
+  assert rows["fixed:2"]["tokens"] == rows["av"]["tokens"] == 4 * (6 - 1)
+  assert ("block", 2, fixed) not in runner._states
+  assert runner._states[("block", 2, av)] is not warm

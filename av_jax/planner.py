@@ -80,6 +80,9 @@ class PlannerConfig:
                                   # passes paid at the previous step (pass pricing)
   stop_tau: bool = True          # survival stop: requests below tau stop (False: only the
                                  # depth cap of pass pricing and min_depth stop drafting)
+  stop_extrapolate: bool = True  # survival stop: the next step's budget, tau and cap count
+                                 # undrafted depths at their extrapolated survivals
+                                 # (`stopping.extrapolate`); False: as not drafted
   stop_deep_explore_every: int = 4  # pass pricing: an exploring slot drafts all K on every
                                     # this many exploration steps, one past the cap on
                                     # the others
@@ -101,6 +104,8 @@ class PlannerConfig:
     stopping.check_params(stopping.StopParams(self.stop_margin, self.stop_min_depth))
     if not isinstance(self.stop_tau, bool):
       raise ValueError(f"stop_tau: expected a bool, got {self.stop_tau!r}")
+    if not isinstance(self.stop_extrapolate, bool):
+      raise ValueError(f"stop_extrapolate: expected a bool, got {self.stop_extrapolate!r}")
     if not isinstance(self.stop_price_passes, bool):
       raise ValueError(f"stop_price_passes: expected a bool, got {self.stop_price_passes!r}")
     d = self.stop_deep_explore_every
@@ -491,14 +496,17 @@ def make_planner(
       if policy == "lagged":  # a step that did not draft has nothing to plan from
         next_budget = jnp.where(any_drafted, optimal, state.budget)
       if stop == "survival" and drafted is not None:
-        # tau for the NEXT step, from this step's optimal budget over the drafted slots
-        stop_state = early.update(
+        # The NEXT step's budget, tau and depth cap, from this step only (survivals of
+        # undrafted depths extrapolated: `stopping.plan_next`, docs/algorithm.md 10.8).
+        nxt = stopping.plan_next(
             stopping.StopState(tau=jnp.asarray(tau, jnp.float32), cap=state.depth_cap), surv,
-            drafted & drafting[:, None], optimal, active=active, num_drafting=d,
-            cost=cost if config.stop_price_passes else None,
-            probe=exploring(state) | (explore_every <= 0))
-        tau = jnp.where(any_drafted, stop_state.tau, tau)
-        depth_cap = jnp.where(any_drafted, stop_state.cap, depth_cap)
+            drafted & drafting[:, None], cost, margin=config.stop_margin, active=active,
+            num_drafting=d, probe=exploring(state) | (explore_every <= 0),
+            price=config.stop_price_passes, fill=config.stop_extrapolate)
+        if policy == "lagged":
+          next_budget = jnp.where(any_drafted, nxt.budget, state.budget)
+        tau = jnp.where(any_drafted, nxt.stop.tau, tau)
+        depth_cap = jnp.where(any_drafted, nxt.stop.cap, depth_cap)
     else:
       budget = jnp.asarray(B * K if policy == "fixed" else 0, jnp.int32)
       mask = allocate(surv, budget, active=active)

@@ -26,6 +26,13 @@ request draft one past the cap, and all K on every few exploration steps:
 `StopState.explore_cap`). A decision that reads nothing of the current step is exact for
 the same reason as tau (docs/algorithm.md 10.7).
 
+The planner computes the next step's lagged budget, tau and cap in one place,
+`plan_next`, after `extrapolate` has filled each request's undrafted depths in from its
+last conditional acceptance (docs/algorithm.md 10.8): a step that stopped early then no
+longer limits what the next one may verify, and a cap that fell can rise again at once.
+`make_early_stop().update` is the same rule without the filled depths, for callers that
+bring their own budget.
+
 Verification then allocates the lagged budget over the drafted prefixes only
 (`verified_count`): `num_verified[b] = min(allocation of b, drafted depth of b)`, and an
 exploring slot verifies its whole drafted depth. Whether position i is drafted and
@@ -388,29 +395,45 @@ def verified_count(survival: jax.typing.ArrayLike, depth: jax.typing.ArrayLike,
   return jnp.where(active, jnp.minimum(count, depth), 0).astype(jnp.int32)
 
 
-def optimal_depth(survival: jax.typing.ArrayLike, drafted: jax.typing.ArrayLike, cost, *,
-                  active: jax.typing.ArrayLike | None = None,
-                  num_drafting: jax.typing.ArrayLike | None = None) -> jax.Array:
-  """The drafting depth c a finished step's survivals call for, pricing drafter passes.
+def extrapolate(survival: jax.typing.ArrayLike, drafted: jax.typing.ArrayLike, *,
+                active: jax.typing.ArrayLike | None = None) -> jax.Array:
+  """Survivals of a finished step with every drafting request's undrafted depths filled in.
 
-  For every cap c = 1..K: the positions at depths <= c that were drafted, their
-  throughput-optimal budget and its ratio
-  `(R + s_(1) + ... + s_(n)) / ((c / K) draft_cost(d) + verify_cost(R + n))` (the budget
-  rule of section 4 with the drafter charged for the c of its K passes that ran); the
-  answer is the c of the largest ratio, ties to the smaller c. Positions deeper than a
-  request's drafted depth are unknown and count for nothing, so the answer is at most
-  the deepest drafted depth.
+  A request that drafted depths 1..d (d >= 1) keeps its ranked survivals there; deeper
+  positions j > d get `S_d * r ** (j - d)`, r = S_d / S_(d-1) (S_0 = 1) its last
+  conditional acceptance: the context is taken to stay as predictable as at its last
+  drafted depth. What the NEXT step plans from (its lagged budget, tau and depth cap)
+  then covers depths this step did not draft, so a step that stopped early no longer
+  limits the next one to its own depth (without it the lagged budget counts at most the
+  positions drafted, and a cap that fell can only grow back one pass at a time). Reads
+  drafted entries only; the result, like everything computed from a finished step, may
+  only be used at later steps (docs/algorithm.md 10.8).
 
   Args:
     survival: `[B, K]` survivals of the finished step (entries not drafted are ignored).
     drafted: `[B, K]` bool, positions drafted at that step (a prefix per slot).
-    cost: the `CostModel` the budget is chosen against (`draft_cost` covers all K passes).
-    active: optional `[B]` bool; R = its count (every active slot verifies one token).
-    num_drafting: slots that drafted (they set the drafting cost); default R.
+    active: optional `[B]` bool.
 
   Returns:
-    `[]` int32 in 1..K (1 when nothing was drafted).
+    `[B, K]` float32 ranked survivals in [0, 1] (non-increasing per request); -1 in the
+    rows of requests that drafted nothing or are not active.
   """
+  survival, drafted, _ = _check_bk(survival, drafted, active)
+  B, K = survival.shape
+  s = _ranked(survival, drafted)
+  depth = jnp.sum(drafted, axis=1, dtype=jnp.int32)
+  at = lambda i: jnp.take_along_axis(s, jnp.clip(i, 0, K - 1)[:, None], axis=1)[:, 0]
+  last = at(depth - 1)
+  prev = jnp.where(depth >= 2, at(depth - 2), 1.0)
+  rate = jnp.where(prev > 0, jnp.clip(last / jnp.maximum(prev, 1e-30), 0.0, 1.0), 0.0)
+  ahead = jnp.maximum(jnp.arange(1, K + 1)[None] - depth[:, None], 0)
+  filled = last[:, None] * rate[:, None] ** ahead
+  return jnp.where(drafted, s, jnp.where(depth[:, None] > 0, filled, -1.0)).astype(jnp.float32)
+
+
+def _depth_table(survival, drafted, cost, *, active, num_drafting):
+  """Per cap c = 1..K: the best ratio `(R + s_(1..n)) / ((c/K) draft + verify(R + n))`
+  over the drafted positions at depths <= c, and its n (the budget). `[K]`, `[K]`."""
   survival, drafted, active = _check_bk(survival, drafted, active)
   B, K = survival.shape
   R = jnp.sum(active, dtype=jnp.int32)
@@ -428,8 +451,92 @@ def optimal_depth(survival: jax.typing.ArrayLike, drafted: jax.typing.ArrayLike,
   tokens = R + counts
   ratio = (R + gains) / jnp.maximum(draft + cost.verify_cost(tokens), 1e-12)
   ratio = jnp.where(tokens < cost.verify_ms.shape[0], ratio, -jnp.inf)
-  best = jnp.max(ratio, axis=1)                                             # [K]
+  at = jnp.argmax(ratio, axis=1)                                            # ties: smaller n
+  return jnp.max(ratio, axis=1), jnp.take_along_axis(counts, at[:, None], axis=1)[:, 0]
+
+
+def optimal_depth(survival: jax.typing.ArrayLike, drafted: jax.typing.ArrayLike, cost, *,
+                  active: jax.typing.ArrayLike | None = None,
+                  num_drafting: jax.typing.ArrayLike | None = None) -> jax.Array:
+  """The drafting depth c a finished step's survivals call for, pricing drafter passes.
+
+  For every cap c = 1..K: the positions at depths <= c that were drafted, their
+  throughput-optimal budget and its ratio
+  `(R + s_(1) + ... + s_(n)) / ((c / K) draft_cost(d) + verify_cost(R + n))` (the budget
+  rule of section 4 with the drafter charged for the c of its K passes that ran); the
+  answer is the c of the largest ratio, ties to the smaller c. Positions deeper than a
+  request's drafted depth are unknown and count for nothing (pass `extrapolate`'s
+  survivals, with `drafted` their entries >= 0, to count them as estimated).
+
+  Args:
+    survival: `[B, K]` survivals of the finished step (entries not drafted are ignored).
+    drafted: `[B, K]` bool, positions drafted at that step (a prefix per slot).
+    cost: the `CostModel` the budget is chosen against (`draft_cost` covers all K passes).
+    active: optional `[B]` bool; R = its count (every active slot verifies one token).
+    num_drafting: slots that drafted (they set the drafting cost); default R.
+
+  Returns:
+    `[]` int32 in 1..K (1 when nothing was drafted).
+  """
+  best, _ = _depth_table(survival, drafted, cost, active=active, num_drafting=num_drafting)
   return (jnp.argmax(best) + 1).astype(jnp.int32)
+
+
+class NextStep(NamedTuple):
+  """What a finished step hands the next one (all from that step: `plan_next`)."""
+  stop: StopState     # tau and the depth cap for the next step (explore_cap unchanged)
+  budget: jax.Array   # [] int32, the next step's lagged budget
+
+
+def plan_next(state: StopState, survival: jax.typing.ArrayLike, drafted: jax.typing.ArrayLike,
+              cost, *, margin: float, active: jax.typing.ArrayLike | None = None,
+              num_drafting: jax.typing.ArrayLike | None = None,
+              probe: jax.typing.ArrayLike = True, price: bool = True,
+              fill: bool = True) -> NextStep:
+  """The next step's lagged budget, tau and depth cap from one finished step.
+
+  With `fill` the survivals are `extrapolate`d first (a request's undrafted depths
+  estimated from its last conditional acceptance). With `price` the depth cap is the c*
+  of `optimal_depth` over them; a c* below this step's cap lowers it, one at or above it
+  raises it to c* (and one pass past the cap after an exploration step when `probe`,
+  see `next_depth_cap`); without `price` there is no cap (0) and c* = K. The budget is
+  the throughput-optimal n of the positions at depths <= the next cap (the drafter
+  charged for that many passes), tau is `margin` times the smallest survival it admits
+  among them (`threshold`). A step that drafted nothing keeps tau, cap and budget are
+  then meaningless: the planner keeps its own (`any_drafted`).
+
+  Args:
+    state: `StopState` this step drafted under (`tau` kept when nothing was drafted).
+    survival, drafted, active, num_drafting: as in `optimal_depth`.
+    cost: the `CostModel` the budget is chosen against.
+    margin: tau's margin, in (0, 1].
+    probe: whether a cap that paid may grow by one (the planner: after exploration).
+    price: price drafter passes (a depth cap); False: no cap.
+    fill: extrapolate undrafted depths (False: they count for nothing).
+
+  Returns:
+    `NextStep(stop=StopState(tau, cap, state.explore_cap), budget)`.
+  """
+  survival, drafted, active = _check_bk(survival, drafted, active)
+  B, K = survival.shape
+  s = extrapolate(survival, drafted, active=active) if fill else _ranked(survival, drafted)
+  known = s >= 0
+  ratio, budgets = _depth_table(s, known, cost, active=active, num_drafting=num_drafting)
+  if price:
+    best = (jnp.argmax(ratio) + 1).astype(jnp.int32)
+    cap = jnp.asarray(state.cap, jnp.int32)
+    cap = jnp.where(cap <= 0, K, jnp.minimum(cap, K))
+    grown = jnp.where(jnp.asarray(probe), jnp.minimum(cap + 1, K), cap)
+    horizon = jnp.where(best < cap, best, jnp.maximum(best, grown)).astype(jnp.int32)
+    next_cap = horizon
+  else:
+    horizon, next_cap = jnp.int32(K), jnp.int32(0)
+  budget = jnp.take(budgets, horizon - 1).astype(jnp.int32)
+  inside = known & (jnp.arange(K)[None] < horizon)
+  tau = threshold(s, inside, budget, margin=margin, active=active)
+  tau = jnp.where(jnp.isnan(tau), jnp.asarray(state.tau, jnp.float32), tau)
+  return NextStep(stop=StopState(tau=tau, cap=next_cap, explore_cap=state.explore_cap),
+                  budget=budget)
 
 
 def next_depth_cap(survival: jax.typing.ArrayLike, drafted: jax.typing.ArrayLike, cost,

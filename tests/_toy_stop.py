@@ -148,14 +148,14 @@ def _ranked(surv, depth):
 ARMS = ("stop", "confstop", "tau_now", "cap_now")
 
 
-@functools.partial(jax.jit, static_argnames="min_depth")
+@functools.partial(jax.jit, static_argnames=("min_depth", "price", "fill"))
 def decide(surv, top1, tau, budget, exploring, step_cost, arm, margin, prune, conf, cap,
-           cost, explore_cap, *, min_depth=1):
+           cost, explore_cap, *, min_depth=1, price=False, fill=True):
   """Drafted depth [N, B], verified count [N, B], next tau [N] and budget [N] per outcome.
 
   surv: [N, B, K] survivals of all K depths; top1: [N, B, K] q_max; tau, budget: the
   state from earlier steps; exploring: [B] bool; arm: index into ARMS. Everything but
-  `min_depth` is traced, so one program per shape serves every arm and option (the
+  `min_depth`, `price` and `fill` is traced, so one program per shape serves every arm and option (the
   prune is off by giving `outranked` a budget that admits everything, which stops
   nothing).
   """
@@ -181,10 +181,11 @@ def decide(surv, top1, tau, budget, exploring, step_cost, arm, margin, prune, co
     depth = jnp.where(arm == 1, conf_out.depths_run, depth)
     verified = jnp.where(arm == 1, conf_out.num_verified, verified)
     drafted = jnp.arange(K)[None] < depth[:, None]
-    next_budget = _optimal_budget(_ranked(s, depth), step_cost, B)
-    next_tau = stopping.threshold(s, drafted, next_budget, margin=margin)
-    next_cap = stopping.next_depth_cap(s, drafted, cost, cap, num_drafting=B)
-    return depth, verified, next_tau, next_budget, next_cap
+    # The next state, as the planner computes it (`stopping.plan_next`: undrafted depths
+    # extrapolated unless `fill` is off, the cap priced with `price`).
+    nxt = stopping.plan_next(stopping.StopState(tau=tau, cap=cap), s, drafted, cost,
+                             margin=margin, num_drafting=B, price=price, fill=fill)
+    return depth, verified, nxt.stop.tau, nxt.budget, nxt.stop.cap
 
   return jax.vmap(one)(surv, top1)
 
@@ -210,7 +211,8 @@ def verification_outcomes(toy: Toy, b: int, context: tuple, drafts, qs, m):
 
 
 def step(toy: Toy, contexts, state: StepState, *, arm, explore_every=0, margin=0.5,
-         prune=False, conf=0.5, min_depth=1, price=False, draft_share=0.4, explore_cap=0):
+         prune=False, conf=0.5, min_depth=1, price=False, draft_share=0.4, explore_cap=0,
+         fill=True):
   """Enumerated outcomes of one step: per outcome (probability, depth [B], verified [B],
   next state) and the draft arrays. With `price`, the step drafts under `state.cap` and
   the next caps are priced; without, no cap (the next caps returned are 0)."""
@@ -225,9 +227,7 @@ def step(toy: Toy, contexts, state: StepState, *, arm, explore_every=0, margin=0
       jnp.asarray(toy.step_cost, jnp.float32), jnp.int32(ARMS.index(arm)),
       jnp.float32(margin), jnp.asarray(prune), jnp.float32(conf),
       jnp.int32(state.cap if price else 0), cost, jnp.int32(explore_cap),
-      min_depth=min_depth))
-  if not price:
-    next_cap = np.zeros_like(next_cap)
+      min_depth=min_depth, price=price, fill=fill))
   return drafts, probs, qs, depth, verified, next_tau, next_budget, next_cap
 
 

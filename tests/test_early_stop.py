@@ -355,6 +355,61 @@ def test_depth_cap_from_earlier_steps_is_exact():
         assert _tv(law, target) < EXACT, (L, cap, explore_every)
 
 
+def test_extrapolate_fills_undrafted_depths_from_the_last_conditional_acceptance():
+  surv = jnp.array([[0.9, 0.6, jnp.nan, 5.0], [0.8, 0.4, 0.2, 0.1], [0.5, 0.5, 0.5, 0.5]])
+  drafted = jnp.array([[1, 1, 0, 0], [1, 1, 1, 1], [0, 0, 0, 0]], bool)
+  got = np.asarray(stopping.extrapolate(surv, drafted))
+  r = 0.6 / 0.9  # row 0's last conditional acceptance
+  np.testing.assert_allclose(got, [[0.9, 0.6, 0.6 * r, 0.6 * r * r], [0.8, 0.4, 0.2, 0.1],
+                                   [-1, -1, -1, -1]], rtol=1e-6)
+  # Undrafted entries are never read: any values there give the same result.
+  other = surv.at[0, 2:].set(jnp.array([0.0, 1.0]))
+  np.testing.assert_array_equal(np.asarray(stopping.extrapolate(other, drafted)), got)
+  # A request that drafted one depth extrapolates from S_1 itself (S_0 = 1).
+  one = stopping.extrapolate(jnp.array([[0.5, 0.9, 0.9]]), jnp.array([[1, 0, 0]], bool))
+  np.testing.assert_allclose(np.asarray(one), [[0.5, 0.25, 0.125]], rtol=1e-6)
+  # Inactive rows count for nothing.
+  np.testing.assert_array_equal(
+      np.asarray(stopping.extrapolate(surv, drafted, active=jnp.array([False, True, True])))[0],
+      [-1, -1, -1, -1])
+
+
+def test_plan_next_budgets_past_the_depth_a_step_stopped_at():
+  """B = 1, a step that stopped after 2 of K = 4 depths with survivals 0.9, 0.81, and
+  verification that costs the same whatever it verifies: filled, the next budget is all
+  K and tau half the extrapolated S_4 (0.9^4); not filled, the budget is the 2 drafted
+  positions and tau half of S_2, so the next step could verify no more than this one."""
+  surv = jnp.array([[0.9, 0.81, 0.0, 0.0]])
+  drafted = jnp.array([[True, True, False, False]])
+  flat = av_jax.make_cost_model(np.array([0.0, 1.0]), np.full(1 + 4 + 1, 10.0))
+  state = stopping.StopState(tau=jnp.float32(0.2), cap=jnp.int32(0))
+  filled = stopping.plan_next(state, surv, drafted, flat, margin=0.5, price=False)
+  assert int(filled.budget) == 4 and int(filled.stop.cap) == 0
+  np.testing.assert_allclose(float(filled.stop.tau), 0.5 * 0.9 ** 4, rtol=1e-5)
+  bare = stopping.plan_next(state, surv, drafted, flat, margin=0.5, price=False, fill=False)
+  assert int(bare.budget) == 2
+  np.testing.assert_allclose(float(bare.stop.tau), 0.5 * 0.81, rtol=1e-6)
+  # Priced: free passes, so every depth pays and the cap is K at once.
+  priced = stopping.plan_next(state._replace(cap=jnp.int32(2)), surv, drafted, flat,
+                              margin=0.5, probe=False)
+  assert int(priced.stop.cap) == 4 and int(priced.budget) == 4
+  # Nothing drafted: tau is kept.
+  none = stopping.plan_next(state, surv, jnp.zeros((1, 4), bool), flat, margin=0.5)
+  assert float(none.stop.tau) == pytest.approx(0.2)
+
+
+@pytest.mark.parametrize("fill", [False, True])
+def test_the_next_state_with_and_without_extrapolation_is_exact(fill):
+  """Multi-step laws under pass pricing, the next step's budget, tau and cap from
+  `plan_next` with and without extrapolated depths: both functions of earlier steps."""
+  toy = _cap_toy()
+  target = T.target_law(toy, 0, 3)
+  for cap in (0, 2):
+    law = T.emitted_law(toy, 3, T.StepState(0.0, 3, 1, cap), arm="stop", price=True,
+                        draft_share=0.3, fill=fill)
+    assert _tv(law, target) < EXACT, cap
+
+
 def test_exploring_under_a_cap_draws_only_to_its_explore_cap_and_stays_exact():
   surv = jnp.tile(jnp.array([[0.9, 0.8, 0.7, 0.6]]), (3, 1))
   exploring = jnp.array([False, True, False])
@@ -610,18 +665,24 @@ def test_planner_explores_one_past_the_cap_and_all_k_on_deep_steps():
 
 
 def test_planner_probes_a_deeper_cap_only_after_exploration_steps():
-  planner = av_jax.make_planner(policy="lagged", draft_stop="survival", explore_every=4)
   B, K = 4, 4
   probs = jnp.full((B, K), 0.95)
   drafted = jnp.broadcast_to(jnp.arange(K)[None] < 2, (B, K))      # every slot drafted 2
   free = av_jax.make_cost_model(np.zeros(B + 1), np.ones(B * (K + 1) + 1))
 
-  def next_cap(step):
+  def next_cap(step, fill):
+    planner = av_jax.make_planner(policy="lagged", draft_stop="survival", explore_every=4,
+                                  stop_extrapolate=fill)
     state = planner.init(B)._replace(depth_cap=jnp.int32(2), step=jnp.int32(step))
     _, new = planner.plan(state, probs, free, active=jnp.ones((B,), bool), drafted=drafted)
     return int(new.depth_cap)
-  assert next_cap(4) == 3         # an exploration step: the paying cap is probed deeper
-  assert next_cap(5) == 2         # otherwise it stays
+  # Without extrapolation depths 3, 4 count for nothing: the paying cap is probed one
+  # deeper after an exploration step, and stays otherwise.
+  assert next_cap(4, fill=False) == 3
+  assert next_cap(5, fill=False) == 2
+  # Extrapolated (survival 0.95 per depth, free passes), depths 3 and 4 pay: the cap
+  # goes to K at once, exploration step or not.
+  assert next_cap(4, fill=True) == next_cap(5, fill=True) == K
   unpriced = av_jax.make_planner(policy="lagged", draft_stop="survival",
                                  stop_price_passes=False)
   _, new = unpriced.plan(unpriced.init(B), probs, free, active=jnp.ones((B,), bool),

@@ -323,6 +323,9 @@ def make_engine(config: EngineConfig, models: ModelsConfig | None = None,
     raise ValueError("make_engine: expected a drafter")
   if target is None:
     target = protocols.transformer_target(models)
+  if (target.verify_read is None) != (target.write is None):
+    raise ValueError("target: expected both or neither of `verify_read` and `write`, got "
+                     f"verify_read={target.verify_read!r}, write={target.write!r}")
   arm = get_arm(config.mode)
   if arm.head and drafter.kind != "block_head":
     raise ValueError(f"mode: 'av_head' needs a drafter with a confidence head, got "
@@ -456,7 +459,7 @@ def group_cache(engine: Engine, cache: Any) -> Any:
 
 def verify_forward(engine: Engine, target_params, cache: Any, *,
                    tokens: jax.Array, slot: jax.Array, positions: jax.Array,
-                   valid: jax.Array):
+                   valid: jax.Array, read: bool = False):
   """The verify program of one bucket: each group's packed forward and sampling probs.
 
   Each group runs `engine.target.verify` (`av_jax.engine.protocols.Target`) on its T_g
@@ -472,17 +475,22 @@ def verify_forward(engine: Engine, target_params, cache: Any, *,
     positions: `[G, T_g]` int32 position of each token.
     valid: `[G, T_g]` bool, False for padding.
 
+    read: run `target.verify_read` (the cache only read) instead of `verify`.
+
   Returns:
     `(probs [G, T_g, V], hidden [G, T_g, D], cache)`: the target's sampling distribution
     (temperature, top-p) and `hidden` of every packed token, and the grouped cache with
-    the valid tokens written.
+    the valid tokens written; with `read`, the tokens' `writes` (G at axis 0 of every
+    leaf) in place of the cache.
   """
   cfg, target = engine.config, engine.target
   a = target.slot_axis  # of B; the group axis G takes its place in the grouped cache
+  run = target.verify_read if read else target.verify
+  out_a = 0 if read else a
 
   def one(cache, tokens, slot, positions, valid):
-    logits, hidden, cache = target.verify(target_params, cache, tokens=tokens, slot=slot,
-                                          positions=positions, valid=valid)
+    logits, hidden, cache = run(target_params, cache, tokens=tokens, slot=slot,
+                                positions=positions, valid=valid)
     probs = sampling_probs(logits, temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p)
     return probs, hidden, cache
 
@@ -491,8 +499,8 @@ def verify_forward(engine: Engine, target_params, cache: Any, *,
     first = lambda x: jax.lax.index_in_dim(x, 0, a, keepdims=False)
     probs, hidden, new = one(jax.tree.map(first, cache),
                              *map(squeeze, (tokens, slot, positions, valid)))
-    return probs[None], hidden[None], jax.tree.map(lambda x: jnp.expand_dims(x, a), new)
-  return jax.vmap(one, in_axes=(a, 0, 0, 0, 0), out_axes=(0, 0, a))(
+    return probs[None], hidden[None], jax.tree.map(lambda x: jnp.expand_dims(x, out_a), new)
+  return jax.vmap(one, in_axes=(a, 0, 0, 0, 0), out_axes=(0, 0, out_a))(
       cache, tokens, slot, positions, valid)
 
 
@@ -525,24 +533,51 @@ def _verify_packed(engine: Engine, target_params, cache, *, tokens, positions, v
   slot_ids = jnp.broadcast_to(jnp.arange(B // G)[:, None], index.shape[1:])  # local slots
   flat_rows = lambda x: x.reshape(G, -1)
 
+  target = engine.target
+  read = target.verify_read is not None
+  w = target.write_axis
+
   def branch(size):
     def run(cache):
       flat = flat_rows(jnp.where(valid, index, size))  # invalid -> out of range, dropped
       def pack(x, fill):  # [G, B/G, K+1] -> [G, T_g], one scatter per group
         row = lambda f, x: jnp.full((size,), fill, x.dtype).at[f].set(x, mode="drop")
         return jax.vmap(row)(flat, flat_rows(jnp.broadcast_to(x, index.shape)))
-      probs, hidden, cache = verify_forward(
-          engine, target_params, cache, tokens=pack(tokens, 0), slot=pack(slot_ids, 0),
-          positions=pack(positions, 0), valid=pack(valid, False))
+      probs, hidden, out = verify_forward(
+          engine, target_params, group_cache(engine, cache), tokens=pack(tokens, 0),
+          slot=pack(slot_ids, 0), positions=pack(positions, 0), valid=pack(valid, False),
+          read=read)
       gather = flat_rows(jnp.clip(index, 0, size - 1))
       unpack = lambda x: jax.vmap(lambda row, i: row[i])(x, gather).reshape(
           (B, K1) + x.shape[2:])
-      return unpack(probs), unpack(hidden), cache
+      if not read:
+        return unpack(probs), unpack(hidden), protocols.ungroup_cache(target, out)
+      # [G, ..T_g at 1 + w..] -> [..B (K+1) at w..]: every bucket's writes in one shape
+      entries = lambda x: jnp.moveaxis(
+          unpack(jnp.moveaxis(x, 1 + w, 1)).reshape((B * K1,) + x.shape[1:1 + w]
+                                                    + x.shape[2 + w:]), 0, w)
+      return unpack(probs), unpack(hidden), jax.tree.map(entries, out)
     return run
 
-  probs, hidden, cache = jax.lax.switch(bucket, [branch(s) for s in sizes],
-                                        group_cache(engine, cache))
-  return probs, hidden, protocols.ungroup_cache(engine.target, cache), bucket
+  # The switch reads the cache as stored (grouped inside each branch). A cache written
+  # inside the branches comes back from the switch as a new buffer, which XLA copies whole
+  # into the decode loop's state on every step of an engine that also switches on
+  # drafting (the skip-drafting gate); with `verify_read` the branches return the tokens'
+  # entries and the cache is written here, in place.
+  branches = [branch(s) for s in sizes]
+  if read and len(branches) == 1:
+    # One bucket (fixed K): a conditional on "anything to verify", whose other branch runs
+    # nothing, keeps the pass in a branch (see `_target_step`: at the loop body's top
+    # level XLA copied the cache on every step).
+    probs, hidden, out = jax.lax.cond(jnp.any(valid), branches[0], _idle(branches[0]), cache)
+  else:
+    probs, hidden, out = jax.lax.switch(bucket, branches, cache)
+  if read:
+    rows = jnp.broadcast_to(jnp.arange(B, dtype=jnp.int32)[:, None], (B, K1))
+    ungrouped = lambda x: x.reshape(B * K1)
+    out = target.write(cache, out, slot=ungrouped(rows), positions=ungrouped(positions),
+                       valid=ungrouped(valid))
+  return probs, hidden, out, bucket
 
 
 class Drafts(NamedTuple):
@@ -683,6 +718,13 @@ def _draft(engine: Engine, params: Params, drafter_state: DrafterState, key: jax
                 passes=passes, top1=top1)
 
 
+def _idle(run):
+  """A branch with `run`'s output shapes that computes nothing (zeros)."""
+  def idle(cache):
+    return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(run, cache))
+  return idle
+
+
 def _target_step(engine: Engine, target_params, cache, key, *, base, position, active):
   """Verification of a step with no drafts: one target token per slot, sampled.
 
@@ -693,25 +735,52 @@ def _target_step(engine: Engine, target_params, cache, key, *, base, position, a
 
   Returns `(RejectionResult, hidden [B, K+1, D], cache, bucket index 0)`.
   """
-  cfg = engine.config
+  cfg, target = engine.config, engine.target
   B, K, G = cfg.num_slots, cfg.max_draft, cfg.groups
   grouped = lambda x: x.reshape(G, B // G)
-  probs, hidden, cache = verify_forward(
+  # With `verify_read` the pass reads the cache and writes it after, as a gated step does
+  # (`_verify_packed`), so target-only decoding runs the same attention program.
+  read = target.verify_read is not None
+  run = lambda cache: verify_forward(
       engine, target_params, group_cache(engine, cache), tokens=grouped(base),
       slot=grouped(jnp.tile(jnp.arange(B // G, dtype=jnp.int32), G)),
-      positions=grouped(position), valid=grouped(active))
-  cache = protocols.ungroup_cache(engine.target, cache)
+      positions=grouped(position), valid=grouped(active), read=read)
+  if read:
+    # A batch with no active slot runs no target pass (the drain's last steps). The
+    # conditional also keeps XLA from copying the whole cache on every step: a read-only
+    # pass followed by its write at the top level of the decode loop's body was compiled
+    # with two copies of the cache per step, the same pass inside a branch with none
+    # (`tests/test_engine_inplace.py` checks the compiled chunk).
+    probs, hidden, out = jax.lax.cond(jnp.any(active), run, _idle(run), cache)
+  else:
+    probs, hidden, out = run(cache)
+  if read:  # [G, ..B/G at 1 + w..] -> [..B at w..]
+    w = target.write_axis
+    merge = lambda x: jnp.moveaxis(jnp.moveaxis(x, 1 + w, 1).reshape((B,) + x.shape[1:1 + w]
+                                                                       + x.shape[2 + w:]), 0, w)
+    cache = target.write(cache, jax.tree.map(merge, out),
+                         slot=jnp.arange(B, dtype=jnp.int32), positions=position, valid=active)
+  else:
+    cache = protocols.ungroup_cache(target, out)
   # probs is the sampling distribution (one-hot when greedy): a categorical draw from its
   # log is the target's token either way.
-  token = jax.random.categorical(key, jnp.log(probs.reshape(B, -1)), axis=-1).astype(jnp.int32)
-  zeros = jnp.zeros((B, K), bool)
-  result = RejectionResult(
-      tokens=jnp.full((B, K + 1), -1, jnp.int32).at[:, 0].set(token),
-      num_emitted=jnp.ones((B,), jnp.int32), num_accepted=jnp.zeros((B,), jnp.int32),
-      accepted=zeros, labeled=zeros)
+  result = _plain_result(key, probs.reshape(B, -1), K)
   hidden = hidden.reshape(B, -1)
   full = jnp.zeros((B, K + 1) + hidden.shape[1:], hidden.dtype).at[:, 0].set(hidden)
   return result, full, cache, jnp.zeros((), jnp.int32)
+
+
+def _plain_result(key: jax.Array, probs: jax.Array, K: int) -> RejectionResult:
+  """A step that verified nothing: one token per slot drawn from the target's sampling
+  distribution `probs [B, V]` (one-hot when greedy: a categorical draw from its log is
+  the target's token either way), the law of `rejection_sample` with nothing verified."""
+  B = probs.shape[0]
+  token = jax.random.categorical(key, jnp.log(probs), axis=-1).astype(jnp.int32)
+  zeros = jnp.zeros((B, K), bool)
+  return RejectionResult(
+      tokens=jnp.full((B, K + 1), -1, jnp.int32).at[:, 0].set(token),
+      num_emitted=jnp.ones((B,), jnp.int32), num_accepted=jnp.zeros((B,), jnp.int32),
+      accepted=zeros, labeled=zeros)
 
 
 class _Verdict(NamedTuple):
@@ -763,13 +832,19 @@ def _scatter_drafts(engine: Engine, state: DecodeState, sub: Drafts, idx: jax.Ar
 
 
 def _verify_phase(engine: Engine, params: Params, state: DecodeState, drafts: Drafts,
-                  num_verified: jax.Array, key: jax.Array, *, packed: bool) -> _Verdict:
+                  num_verified: jax.Array, key: jax.Array, *, packed) -> _Verdict:
   """The base token and the verified drafts, packed, in one target pass; then rejection
-  sampling. A step that drafted nothing (`packed=False`) is a plain target step (no
-  `[B, K+1, V]`)."""
+  sampling. `packed` False: a step that drafted nothing in a program that never drafts,
+  a plain target step (no `[B, K+1, V]`). `packed` a traced `[]` bool (a gated step):
+  the packed pass always runs (a step that drafted nothing verifies nothing, the smallest
+  bucket) and only the sampling is chosen, rejection or the target's own draw
+  (`_plain_result`, the law and the draw of a plain step), so no conditional returns the
+  target cache: a cache returned by a conditional inside the decode loop was copied whole
+  on every step (XLA's copy insertion), which made a gated-off step dearer than a
+  target-only one."""
   B, K = engine.config.num_slots, engine.config.max_draft
   base = state.tokens[jnp.arange(B), state.length - 1]
-  if not packed:
+  if packed is False:
     return _Verdict(*_target_step(engine, params.target, state.target_cache, key, base=base,
                                   position=state.length - 1, active=state.active))
   tokens = jnp.concatenate([base[:, None], drafts.tokens], axis=1)        # [B, K+1]
@@ -779,8 +854,11 @@ def _verify_phase(engine: Engine, params: Params, state: DecodeState, drafts: Dr
   target_probs, hidden, cache, bucket = _verify_packed(
       engine, params.target, state.target_cache, tokens=tokens, positions=positions,
       valid=valid)
-  result = rejection_sample(key, draft_probs=drafts.probs, draft_tokens=drafts.tokens,
-                            target_probs=target_probs, num_verified=num_verified)
+  reject = lambda: rejection_sample(key, draft_probs=drafts.probs, draft_tokens=drafts.tokens,
+                                    target_probs=target_probs, num_verified=num_verified)
+  if packed is True:
+    return _Verdict(reject(), hidden, cache, bucket)
+  result = jax.lax.cond(packed, reject, lambda: _plain_result(key, target_probs[:, 0], K))
   return _Verdict(result, hidden, cache, bucket)
 
 
@@ -855,13 +933,13 @@ def _count(engine: Engine, stats: EngineStats, *, state: DecodeState, drafts: Dr
 def _decide_and_verify(engine: Engine, params: Params, state: DecodeState,
                        decision: DecisionState, drafts: Drafts, *, key: jax.Array,
                        k_verify: jax.Array, slots: jax.Array, drafting: jax.Array,
-                       plan_drafting: jax.Array, rows: jax.Array, packed: bool,
+                       plan_drafting: jax.Array, rows: jax.Array, packed,
                        commit) -> tuple[DecodeState, StepInfo]:
   """The phases after drafting: decide -> verify -> stops -> `commit(drafts, verdict)`
   to the drafter -> learn and count. `slots [B]`: the slots that drafted; `drafting []`:
   the step drafted; `plan_drafting`: what `decider.plan` takes as `drafting`; `rows []`:
   the drafter rows that ran (StepInfo.draft_rows); `packed`: verify through the packed
-  buckets (False: a target-only step)."""
+  buckets (False: a target-only step; a traced bool: chosen per step)."""
   decider, active = engine.decider, state.active
   # Decide over the usable positions: drafted, and finite up to and including them (a
   # slot whose first draft is not finite, or that did not draft, verifies nothing).
@@ -905,9 +983,11 @@ def _gated_step(engine: Engine, params: Params, state: DecodeState, *, key: jax.
   With n drafting slots, the drafting slots (then other slots as padding, whose outputs
   are discarded and whose state is not written back) are gathered into the smallest
   draft bucket E >= n (`EngineConfig.draft_bucket_sizes`, `lax.switch` over one program
-  per bucket); the top bucket E = B drafts every row in place. n = 0 is a target-only
-  step: no drafter pass, no `[B, K+1, V]` tensor, only the catch-up (an absorb every
-  K + 1 steps for an autoregressive drafter). Slots that did not draft catch up.
+  per bucket); the top bucket E = B drafts every row in place. n = 0 runs no drafter
+  pass: the target verifies the B base tokens (the smallest packed bucket) and draws
+  each slot's token from its own distribution, and the drafter only catches up (an
+  absorb every K + 1 steps for an autoregressive drafter). Slots that did not draft
+  catch up.
   """
   cfg, decider, active = engine.config, engine.decider, state.active
   B = cfg.num_slots
@@ -922,14 +1002,8 @@ def _gated_step(engine: Engine, params: Params, state: DecodeState, *, key: jax.
   decide = functools.partial(_decide_and_verify, engine, params, state, decision, key=key,
                              k_verify=k_verify, slots=slots, plan_drafting=slots)
 
-  def skip():
-    def commit(drafts, verdict):
-      del drafts
-      return catch_up(engine.drafter, params.drafter, params.target, state.drafter,
-                      token=verdict.result.tokens[:, 0], hidden=verdict.target_hidden[:, 0],
-                      mask=active)
-    return decide(_no_draft(engine, state), drafting=False, rows=0, packed=False,
-                  commit=commit)
+  def skip() -> Drafts:
+    return _no_draft(engine, state)
 
   def subset(E):
     def run() -> Drafts:
@@ -941,17 +1015,18 @@ def _gated_step(engine: Engine, params: Params, state: DecodeState, *, key: jax.
       return _scatter_drafts(engine, state, sub, idx, keep, whole=whole)
     return run
 
-  def drafting():
-    # Only drafting differs by bucket: one decide-and-verify program serves them all (a
-    # copy of the verify buckets per draft bucket multiplied the compile time).
-    bucket = jnp.clip(branch - 1, 0, len(sizes) - 1).astype(jnp.int32)
-    drafts = jax.lax.switch(bucket, [subset(E) for E in sizes])
-    commit = lambda drafts, verdict: _gated_commit_phase(engine, params, state, drafts,
-                                                         verdict, slots)
-    return decide(drafts, drafting=True, rows=jnp.asarray(sizes, jnp.int32)[bucket],
-                  packed=True, commit=commit)
-
-  return jax.lax.cond(count == 0, skip, drafting)
+  # Only drafting differs by bucket (branch 0: nothing drafted); one decide-and-verify
+  # program serves them all, and the target cache never passes through this switch:
+  # a cache returned by a branch of a `lax.cond` inside the decode loop was copied whole
+  # on every step (XLA's copy insertion), which made a gated-off step dearer than a
+  # target-only one. Verification chooses between a plain and a packed target step in
+  # its own `lax.cond` whose operand is the cache (`_verify_phase`).
+  drafts = jax.lax.switch(branch, [skip] + [subset(E) for E in sizes])
+  drafting = count > 0
+  rows = jnp.asarray((0,) + tuple(sizes), jnp.int32)[branch]
+  commit = lambda drafts, verdict: _gated_commit_phase(engine, params, state, drafts,
+                                                       verdict, slots)
+  return decide(drafts, drafting=drafting, rows=rows, packed=drafting, commit=commit)
 
 
 def step(engine: Engine, params: Params, state: DecodeState) -> tuple[DecodeState, StepInfo]:

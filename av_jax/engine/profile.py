@@ -44,9 +44,11 @@ def measure(engine: core.Engine, params: core.Params, *, repeats: int = 5) -> di
   state = core.init_state(engine, params, jax.random.key(0, impl="rbg"))
   cache = core.group_cache(engine, state.target_cache)
 
+  read = engine.target.verify_read is not None  # the pass the engine runs (core._verify_packed)
+
   def verify(target_params, cache, tokens, slot, positions, valid):
     return core.verify_forward(engine, target_params, cache, tokens=tokens, slot=slot,
-                               positions=positions, valid=valid)[0]
+                               positions=positions, valid=valid, read=read)[0]
 
   verify = jax.jit(verify)
   bucket_ms = []
@@ -202,7 +204,8 @@ def cost_model_from_profile(profile: dict, *, num_slots: int, max_tokens: int) -
 
 
 # Bumped whenever what `measure` times changes, so older cached profiles are not reused.
-PROFILE_VERSION = 5  # 3: draft times per draft bucket under the gate; 4, 5: whole steps
+PROFILE_VERSION = 6  # 3: draft times per draft bucket under the gate; 4, 5: whole steps;
+# 6: the verify pass reads the cache (`Target.verify_read`), as the engine now runs it
 
 
 def cache_key(engine: core.Engine) -> str:

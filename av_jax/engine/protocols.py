@@ -22,6 +22,13 @@ the drafter (`Drafter.init_state`'s `prompt_hidden`, `Drafter.commit`'s
 `target_hidden`), so it is what the user's drafter wants from the target (EAGLE-style
 heads: the final hidden state; a drafter that reads only tokens: anything, e.g. zeros).
 
+`verify_read` and `write` (optional, both or neither) split `verify`: the pass reads the
+cache and returns the tokens' entries (`writes`, token axis T at `write_axis`), and
+`write(cache, writes, slot=[N], positions=[N], valid=[N])` writes them (the engine passes
+them re-ordered, N >= T). With them the engine writes the cache after its bucket switch,
+in place; without them each bucket's `verify` writes it, and XLA copies the whole cache
+once per step of an engine whose steps choose between programs (the skip-drafting gate).
+
 `prefill` runs a prompt of P (a static bucket) tokens at positions 0..P-1 into a fresh
 one-slot cache (`init_cache(1, max_len)`); positions where `valid` is False are padding
 after the prompt. Without one (None) the engine prefills with `verify` (slot 0).
@@ -64,6 +71,14 @@ class Target(NamedTuple):
                                    #  cache -> (logits [P, V], hidden [P, D], cache);
                                    #  None: `verify` with slot 0, positions 0..P-1
   slot_axis: int = 0    # the axis of B in every cache leaf
+  # Optional, both or neither: `verify` split into a pass that only reads the cache and
+  # the write of its entries, which the engine does after its bucket switch (a cache
+  # written inside a `lax.switch` in the decode loop is copied whole by XLA every step):
+  verify_read: Callable | None = None  # as `verify` -> (logits [T, V], hidden [T, D],
+                                       #  writes: a pytree, token axis T at `write_axis`)
+  write: Callable | None = None        # (cache, writes, *, slot [N], positions [N],
+                                       #  valid [N]) -> cache with the valid entries written
+  write_axis: int = 0   # the token axis of every `writes` leaf
 
 
 def prefill_with_verify(target: Target, params, cache, *, tokens: jax.Array,
@@ -123,6 +138,17 @@ def transformer_target(models: ModelsConfig) -> Target:
                               valid=valid[None])
     return TargetOutput(out.logits[0], out.hidden[0], out.cache)
 
+  def verify_read(params, cache, *, tokens, slot, positions, valid):
+    out, writes = transformer.forward_packed_read(params, tokens, slot=slot,
+                                                  positions=positions, valid=valid,
+                                                  cache=cache, cfg=cfg)
+    return out.logits, out.hidden, writes
+
+  def write(cache, writes, *, slot, positions, valid):
+    return transformer.write_packed(cache, writes, slot=slot, positions=positions,
+                                    valid=valid)
+
   name = "av_jax.transformer " + json.dumps(dataclasses.asdict(cfg), sort_keys=True)
   return Target(name=name, vocab_size=cfg.vocab_size, hidden_size=cfg.d_model,
-                init_cache=init_cache, verify=verify, prefill=prefill, slot_axis=1)
+                init_cache=init_cache, verify=verify, prefill=prefill, slot_axis=1,
+                verify_read=verify_read, write=write, write_axis=1)

@@ -10,6 +10,14 @@ Attention runs in one of four modes, chosen statically:
   `[slot_t, position_t]` and attends to its slot's entries with position <= its own. Since
   all writes happen before the attention reads, earlier packed tokens of the same slot are
   seen exactly like cached ones.
+* `packed_read`: as `packed`, but the cache is only read: token t attends to its slot's
+  cached entries with position <= its own that no valid token of this pass writes, and
+  to the valid tokens of this pass in its slot with position <= its own (their K/V as
+  computed here). The same attention as `packed` (up to float rounding); the layer
+  returns the tokens' K/V instead of a written cache, for the caller to write
+  (`transformer.write_packed`). A cache updated inside a branch of a `lax.cond` /
+  `lax.switch` in a decode loop is copied whole by XLA on every step; read here and
+  written after the branch, it is updated in place.
 * `bidirectional`: no cache, no mask (the block drafter's K query slots).
 
 Writes at position >= M are dropped: callers mark invalid (padding) tokens by writing at
@@ -84,12 +92,37 @@ def _attend(q, k, v, mask):
   return jnp.einsum("...hqk,...khd->...qhd", weights, v)
 
 
+def _attend_packed_read(q, k, v, cache: LayerKV, *, slot, positions, write_positions):
+  """`packed` attention without writing the cache (mode `packed_read`, module doc).
+
+  `q, k, v [T, H, Dh]`; `write_positions [T]` is `positions` for valid tokens and M for
+  padding. Keys: the slot's cached entries (minus the positions this pass writes) and
+  this pass's valid tokens of the same slot; one softmax over both.
+  """
+  batch, max_len = cache.k.shape[0], cache.k.shape[1]
+  valid = write_positions < max_len
+  written = jnp.zeros((batch, max_len), bool).at[slot, write_positions].set(True, mode="drop")
+  m = jnp.arange(max_len)[None, :]
+  old = (m <= positions[:, None]) & ~written[slot]                               # [T, M]
+  new = (valid[None, :] & (slot[None, :] == slot[:, None])
+         & (positions[None, :] <= positions[:, None]))                          # [T, T]
+  scale = jnp.sqrt(q.shape[-1]).astype(q.dtype)
+  keys, values = cache.k[slot], cache.v[slot]                                    # [T, M, H, Dh]
+  s_old = jnp.einsum("thd,tmhd->thm", q, keys) / scale
+  s_new = jnp.einsum("thd,uhd->thu", q, k) / scale
+  scores = jnp.concatenate([jnp.where(old[:, None, :], s_old, _MASKED),
+                            jnp.where(new[:, None, :], s_new, _MASKED)], axis=-1)
+  weights = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(v.dtype)
+  return (jnp.einsum("thm,tmhd->thd", weights[..., :max_len], values)
+          + jnp.einsum("thu,uhd->thd", weights[..., max_len:], v))
+
+
 class Attention(nn.Module):
   """Multi-head attention with RoPE and an optional explicit KV cache (see module doc)."""
   num_heads: int
   head_dim: int
   rope_theta: float
-  mode: str  # "causal" | "dense" | "packed" | "bidirectional"
+  mode: str  # "causal" | "dense" | "packed" | "packed_read" | "bidirectional"
 
   @nn.compact
   def __call__(self, x, positions, cache: LayerKV | None = None, slot=None,
@@ -121,6 +154,10 @@ class Attention(nn.Module):
       keys, values = new_cache.k[slot], new_cache.v[slot]  # [T, M, H, Dh]
       mask = jnp.arange(max_len)[None, None, :] <= positions[:, None, None]  # [T, 1, M]
       out = _attend(q[:, None], keys, values, mask)[:, 0]
+    elif self.mode == "packed_read":
+      out = _attend_packed_read(q, k, v, cache, slot=slot, positions=positions,
+                                write_positions=write_positions)
+      new_cache = LayerKV(k, v)  # [T, H, Dh]: this pass's entries, to be written
     else:
       raise ValueError(f"unknown attention mode {self.mode!r}")
     out = nn.DenseGeneral(x.shape[-1], axis=(-2, -1), use_bias=False, name="o")(out)

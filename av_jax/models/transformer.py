@@ -126,6 +126,19 @@ def forward(params, tokens: jax.typing.ArrayLike, positions: jax.typing.ArrayLik
                                          write)
 
 
+def _packed_inputs(tokens, slot, positions, valid, cache: KVCache):
+  """Checked, typed packed inputs; `write` is `positions`, M (dropped) for padding."""
+  tokens = jnp.asarray(tokens)
+  slot = jnp.asarray(slot, jnp.int32)
+  positions = jnp.asarray(positions, jnp.int32)
+  valid = jnp.asarray(valid)
+  _checks.rank("tokens", tokens, 1, "T")
+  for name, x in (("slot", slot), ("positions", positions), ("valid", valid)):
+    _checks.shape(name, x, tokens.shape, "T")
+  _checks.boolean("valid", valid)
+  return tokens, slot, positions, jnp.where(valid, positions, cache.k.shape[2])
+
+
 def forward_packed(params, tokens: jax.typing.ArrayLike, *, slot: jax.typing.ArrayLike,
                    positions: jax.typing.ArrayLike, valid: jax.typing.ArrayLike,
                    cache: KVCache, cfg: TransformerConfig) -> ForwardOutput:
@@ -149,17 +162,47 @@ def forward_packed(params, tokens: jax.typing.ArrayLike, *, slot: jax.typing.Arr
   Returns:
     `ForwardOutput(logits [T,V], hidden [T,D], cache)`.
   """
-  tokens = jnp.asarray(tokens)
-  slot = jnp.asarray(slot, jnp.int32)
-  positions = jnp.asarray(positions, jnp.int32)
-  valid = jnp.asarray(valid)
-  _checks.rank("tokens", tokens, 1, "T")
-  for name, x in (("slot", slot), ("positions", positions), ("valid", valid)):
-    _checks.shape(name, x, tokens.shape, "T")
-  _checks.boolean("valid", valid)
-  write = jnp.where(valid, positions, cache.k.shape[2])
+  tokens, slot, positions, write = _packed_inputs(tokens, slot, positions, valid, cache)
   return Transformer(cfg, "packed").apply({"params": params}, tokens, positions, cache, slot,
                                           write)
+
+
+class PackedWrites(NamedTuple):
+  """The K/V a packed pass computed, not yet written (`forward_packed_read`)."""
+  k: jax.Array  # [L, T, H, Dh] keys of the pass's tokens, RoPE applied
+  v: jax.Array  # [L, T, H, Dh] values
+
+
+def forward_packed_read(params, tokens: jax.typing.ArrayLike, *, slot: jax.typing.ArrayLike,
+                        positions: jax.typing.ArrayLike, valid: jax.typing.ArrayLike,
+                        cache: KVCache, cfg: TransformerConfig
+                        ) -> tuple[ForwardOutput, PackedWrites]:
+  """`forward_packed` with the cache only read: the same logits and hidden states (up to
+  float rounding), and the tokens' K/V returned for `write_packed` instead of a written
+  cache (`ForwardOutput.cache` is None). Lets a caller run the pass inside a branch of
+  `lax.switch` and write the cache after it, which XLA does in place (a cache returned
+  by a branch inside a decode loop is copied whole on every step).
+
+  Args, shapes and padding as `forward_packed`.
+
+  Returns:
+    `(ForwardOutput(logits [T,V], hidden [T,D], None), PackedWrites [L, T, H, Dh])`.
+  """
+  tokens, slot, positions, write = _packed_inputs(tokens, slot, positions, valid, cache)
+  out = Transformer(cfg, "packed_read").apply({"params": params}, tokens, positions, cache,
+                                              slot, write)
+  return ForwardOutput(out.logits, out.hidden, None), PackedWrites(out.cache.k, out.cache.v)
+
+
+def write_packed(cache: KVCache, writes: PackedWrites, *, slot: jax.typing.ArrayLike,
+                 positions: jax.typing.ArrayLike, valid: jax.typing.ArrayLike) -> KVCache:
+  """`cache` with entry t of `writes` (`[L, N, H, Dh]`, any N) at `[slot[t], positions[t]]`
+  where `valid[t]`; what `forward_packed` writes when `writes` is `forward_packed_read`'s.
+  """
+  slot = jnp.asarray(slot, jnp.int32)
+  write = jnp.where(jnp.asarray(valid), jnp.asarray(positions, jnp.int32), cache.k.shape[2])
+  return KVCache(cache.k.at[:, slot, write].set(writes.k.astype(cache.k.dtype), mode="drop"),
+                 cache.v.at[:, slot, write].set(writes.v.astype(cache.v.dtype), mode="drop"))
 
 
 def lm_loss(params, tokens: jax.Array, *, cfg: TransformerConfig,

@@ -467,12 +467,16 @@ def make_planner(
       _checks.boolean("sound", sound)
       explored = explored & sound
     drafted_slots = active & drafting  # reported in the plan (before `sound`)
+    # R counts every active slot: each verifies its own token, whether it drafted or not
+    # (a slot that did not draft, or whose drafts are unsound, is a target-only slot this
+    # step and its token still takes a place in the target pass).
+    live = active
+    R = jnp.sum(live, dtype=jnp.int32)
     if sound is not None:
       active = active & sound  # an unsound slot is a target-only slot this step
     planned = active & drafting  # D: active slots whose drafts the plan may verify
     # Whether this step drafted at all: the lagged budget and tau learn only from those.
     any_drafted = jnp.any(drafting)
-    R = jnp.sum(active, dtype=jnp.int32)
     d = jnp.sum(planned, dtype=jnp.int32)
     surv = survival(probs)
     next_budget = state.budget
@@ -500,7 +504,7 @@ def make_planner(
         # undrafted depths extrapolated: `stopping.plan_next`, docs/algorithm.md 10.8).
         nxt = stopping.plan_next(
             stopping.StopState(tau=jnp.asarray(tau, jnp.float32), cap=state.depth_cap), surv,
-            drafted & drafting[:, None], cost, margin=config.stop_margin, active=active,
+            drafted & planned[:, None], cost, margin=config.stop_margin, active=live,
             num_drafting=d, probe=exploring(state) | (explore_every <= 0),
             price=config.stop_price_passes, fill=config.stop_extrapolate)
         if policy == "lagged":

@@ -124,6 +124,36 @@ def test_pay_rule_of_a_subset_and_unjudged_slots_keep_their_verdict():
   np.testing.assert_array_equal(plan.drafting, active & drafting)
 
 
+def test_slots_that_did_not_draft_still_count_in_the_target_pass():
+  """As the engine calls it (`sound` False for a slot that did not draft), the plan and
+  the pay rule count every active slot's own token: R is the active count, not the
+  drafting count. With one of eight slots drafting and a verify bucket that ends at B
+  tokens, verifying its drafts would push the pass into the next bucket; the old count
+  (R = d = 1, room for 7 drafts in the first bucket) verified 7 and judged the slot
+  paying (the negative control below recomputes that answer and checks it differs)."""
+  planner = _planner()
+  tokens = np.arange(B * (K + 1) + 1)
+  cost = av_jax.make_cost_model(np.full(B + 1, 0.05),
+                                np.where(tokens <= B, 1.0, 2.5))
+  probs = jnp.full((B, K), 0.97, jnp.float32)
+  active = jnp.ones((B,), bool)
+  drafting = jnp.arange(B) == 3
+  state = planner.init(B)._replace(step=jnp.int32(1))
+  plan, new = planner.plan(state, probs, cost, active=active, drafting=drafting,
+                           sound=drafting)
+  want, mask = _reference_pays(probs, cost, active, drafting)
+  np.testing.assert_array_equal(plan.mask, mask)
+  np.testing.assert_array_equal(new.slot_pays, np.where(drafting, want, True))
+  assert not np.asarray(plan.mask).any() and not bool(new.slot_pays[3])
+  # Negative control: counting only the drafting slot (the bug) verifies its drafts.
+  wrong, wrong_mask = _reference_pays(probs, cost, drafting, drafting)
+  assert wrong_mask[3].sum() == K and wrong[3]
+  # Rows that drafted and are sound plan as without `sound`.
+  plan2, new2 = planner.plan(state, probs, cost, active=active, drafting=drafting)
+  np.testing.assert_array_equal(plan2.mask, plan.mask)
+  np.testing.assert_array_equal(new2.pay_margin, new.pay_margin)
+
+
 def test_batch_state_is_the_batch_rule():
   """A `[1]` state (init() without num_slots) judges the batch as one slot: the rule
   `(R + sum g) / C > R / verify_cost(R)` of the batch gate."""

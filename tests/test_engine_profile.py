@@ -57,13 +57,21 @@ def test_whole_steps_price_the_tables_at_what_steps_cost():
                                        num_slots=B, max_tokens=T)
   extra_verify, extra_draft = prof.step_overheads(profile, num_slots=B, max_tokens=T)
   assert extra_verify >= 0 and extra_draft >= 0
-  np.testing.assert_allclose(np.asarray(cost.verify_ms)[1:],
-                             np.asarray(plain.verify_ms)[1:] + extra_verify, rtol=1e-6)
+  scale = prof.verify_scale(profile, num_slots=B, max_tokens=T)
+  assert 0.1 <= scale <= 1.0
+  base = np.asarray(plain.verify_ms)[B]
+  grown = np.where(np.arange(T + 1) > B, base + scale * (np.asarray(plain.verify_ms) - base),
+                   np.asarray(plain.verify_ms))
+  np.testing.assert_allclose(np.asarray(cost.verify_ms)[1:], grown[1:] + extra_verify,
+                             rtol=1e-6)
   np.testing.assert_allclose(cost.draft_ms, np.asarray(plain.draft_ms) + extra_draft,
                              rtol=1e-6)
   # Where an overhead is positive, the table prices its regime at the measured step.
   if extra_verify > 0:
     np.testing.assert_allclose(cost.verify_cost(B), steps["skip"], rtol=1e-5)
+  if extra_verify > 0 and 0.1 < scale < 1.0:  # a full step is priced at what it measured
+    np.testing.assert_allclose(profile["draft_ms"] + cost.verify_cost(T), steps["full"],
+                               rtol=1e-5)
   if extra_draft > 0:  # one drafting slot verifying its K = 2: R + K = 4 tokens
     np.testing.assert_allclose(cost.draft_cost(1) + cost.verify_cost(B + 2), steps["one"],
                                rtol=1e-5)
@@ -84,3 +92,32 @@ def test_step_overheads_from_a_recorded_profile():
   # Steps cheaper than their programs (timing noise) add nothing.
   cheap = dict(profile, step_ms=dict(skip=0.1, full=0.1))
   assert prof.step_overheads(cheap, num_slots=2, max_tokens=6) == (0.0, 0.0)
+
+
+def test_verify_growth_is_scaled_to_what_a_full_step_measured():
+  """Programs timed alone can cost more per extra token than the same pass inside the
+  decode loop (block B = 8 on this CPU: a full step at 62 ms against 113 ms of programs):
+  the verify table's growth above B is scaled so the full step is priced at its
+  measured cost, the gated-off step stays at `skip`, and a profile whose full step costs
+  its programs or more is left as it was (scale 1, draft extra as before)."""
+  B, T = 2, 6  # K = 2: buckets of 2 and 6 tokens
+  profile = dict(buckets=[2, 6], bucket_ms=[1.0, 5.0], draft_ms=0.5,
+                 step_ms=dict(skip=1.5, one=3.0, full=4.0))
+  # (full - draft(B) - skip) / (V(6) - V(2)) = (4.0 - 0.5 - 1.5) / 4.0
+  assert prof.verify_scale(profile, num_slots=B, max_tokens=T) == pytest.approx(0.5)
+  cost = prof.cost_model_from_profile(profile, num_slots=B, max_tokens=T)
+  assert float(cost.verify_cost(B)) == pytest.approx(1.5)
+  assert float(cost.verify_cost(T)) == pytest.approx(1.5 + 0.5 * 4.0)
+  # one: 3.0 - draft(1) 0.5 - verify(B + K = 4) 3.5 < 0: no draft extra.
+  assert prof.step_overheads(profile, num_slots=B, max_tokens=T) == pytest.approx((0.5, 0.0))
+  assert float(cost.draft_cost(B) + cost.verify_cost(T)) == pytest.approx(4.0)
+  # Negative control: without whole-step times the programs' growth stands.
+  plain = prof.cost_model_from_profile({k: v for k, v in profile.items() if k != "step_ms"},
+                                       num_slots=B, max_tokens=T)
+  assert float(plain.verify_cost(T)) == pytest.approx(5.0)
+  # A full step dearer than its programs: scale 1 (its extra goes to the draft entries).
+  dear = dict(profile, step_ms=dict(skip=1.5, full=9.0))
+  assert prof.verify_scale(dear, num_slots=B, max_tokens=T) == 1.0
+  # A full step far cheaper (noise): the scale stops at 0.1.
+  cheap = dict(profile, step_ms=dict(skip=1.5, full=0.1))
+  assert prof.verify_scale(cheap, num_slots=B, max_tokens=T) == pytest.approx(0.1)

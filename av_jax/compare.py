@@ -315,9 +315,10 @@ class Runner:
     (`tokens_per_s` and `per_request_tokens_per_s` are the runner's clock's)."""
     engine, cost = self.engine(pair, slots, arm, prompts)
     params = E.Params(target=pair.target_params, drafter=pair.drafter_params)
-    active, verified, drafted, emitted, passes = [], [], [], [], []
+    active, verified, drafted, emitted, passes, rows = [], [], [], [], [], []
 
     def on_chunk(state, info):
+      rows.append(info.draft_rows)
       active.append(info.active)
       verified.append(info.verified)
       drafted.append(info.drafting)
@@ -341,6 +342,7 @@ class Runner:
     verified = np.concatenate([np.asarray(v) for v in verified])
     drafted = np.concatenate([np.asarray(d) for d in drafted])
     passes = np.concatenate([np.asarray(p) for p in passes])
+    rows = np.concatenate([np.asarray(r) for r in rows])
     busy = active > 0
     s = result.stats
     if before is not None:
@@ -360,7 +362,9 @@ class Runner:
                drafted_share=float(drafted[busy].mean()) if busy.any() else 0.0,
                # drafter passes per busy step (K per drafting step of an autoregressive
                # drafter without a stop, 1 for a parallel one, 0 when not drafting)
-               draft_passes_per_step=float(passes[busy].mean()) if busy.any() else 0.0)
+               draft_passes_per_step=float(passes[busy].mean()) if busy.any() else 0.0,
+               drafting_cost_share=_drafting_cost_share(cost, engine, active, verified,
+                                                        drafted, rows, busy))
     # Steady state on the wall clock: the chunks on which every slot was busy on every
     # step (the tail of a closed request set, where slots idle, is left out), their
     # tokens over their chunk seconds (prefills between chunks are not in them).
@@ -398,6 +402,24 @@ class Runner:
 
 
 # --------------------------------------------------------------------------- aggregation
+
+
+def _drafting_cost_share(cost, engine, active, verified, drafted, rows, busy) -> float | None:
+  """The share of a run's step cost spent on steps that drafted, priced by the planner's
+  own tables (`cost`: the profiled or modelled `CostModel`; None for a static arm, whose
+  engine has no profile): a step costs `draft_cost(rows) + verify_cost(active +
+  verified)`, `draft_cost` only when it drafted. Where AV's drafts do not pay (its gate
+  keeps drafting off) this is what exploration and re-checks cost."""
+  if cost is None or not busy.any():
+    return None
+  cost = getattr(cost, "cost", cost)  # a modelled clock's CostTables: its CostModel
+  draft = np.asarray(cost.draft_ms, np.float64)
+  verify = np.asarray(cost.verify_ms, np.float64)
+  B = engine.config.num_slots
+  tokens = np.minimum(active + verified, verify.shape[0] - 1)
+  step = verify[tokens] + np.where(drafted, draft[np.clip(rows, 0, B)], 0.0)
+  total = float(step[busy].sum())
+  return float(step[busy & drafted].sum()) / total if total > 0 else None
 
 
 def summarize(rows: Sequence[dict], keys=("drafter", "workload", "concurrency", "arm")
@@ -455,7 +477,8 @@ def records(rows: Sequence[dict]) -> list[dict]:
   out = []
   for key, rs in groups.items():
     rs = sorted(rs, key=lambda r: r["repeat"])
-    med = lambda name: float(np.median([r[name] for r in rs])) if name in rs[0] else None
+    med = lambda name: (float(np.median([r[name] for r in rs]))
+                        if all(r.get(name) is not None for r in rs) else None)
     rec = dict(zip(keys, key), clock=rs[0]["clock"], mode=rs[0]["mode"], k=rs[0]["k"],
                tokens_per_s=med("tokens_per_s"),
                per_request_tokens_per_s=med("per_request_tokens_per_s"),
@@ -465,6 +488,7 @@ def records(rows: Sequence[dict]) -> list[dict]:
                verified_per_step=med("verified_per_step"), acceptance=med("acceptance"),
                drafted_share=med("drafted_share"),
                draft_passes_per_step=med("draft_passes_per_step"),
+               drafting_cost_share=med("drafting_cost_share"),
                steady_tokens_per_s=med("steady_tokens_per_s"),
                steady_per_request_tokens_per_s=med("steady_per_request_tokens_per_s"),
                wall_steady_tokens_per_s=med("wall_steady_tokens_per_s"),

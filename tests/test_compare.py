@@ -3,6 +3,8 @@ schema, ratios computed from the records, and bad input refused by name (~1 min)
 
 import json
 
+import av_jax
+
 import jax
 import numpy as np
 import pytest
@@ -68,9 +70,13 @@ def test_compare_json_schema_and_ratios(clock, tmp_path):
         assert 0 < x["steady_steps"] <= x["steps"]
       # A parallel drafter runs one pass per drafting step.
       assert 0 < r["draft_passes_per_step"] <= 1.0
+    # Exploration's cost (the share of AV's priced step cost on drafting steps); a static
+    # arm has no tables on the wall clock.
+    assert 0.0 <= av["drafting_cost_share"] <= 1.0 and fixed["drafting_cost_share"] is None
     assert av["steady_vs_best_static"] == pytest.approx(
         av["steady_tokens_per_s"] / fixed["steady_tokens_per_s"])
   else:
+    assert fixed["drafting_cost_share"] == pytest.approx(1.0)  # every busy step drafts
     assert av["clock_label"].startswith("modelled: h200, target llama3-8b, llama3-8b-dflash")
     assert s["drafter_shapes"] == {"block": "llama3-8b-dflash"} and s["context_len"] == 256
     for r in recs.values():  # modelled throughput from the modelled seconds
@@ -177,3 +183,18 @@ def test_a_warm_start_fits_only_adaptive_arms():
   assert rows["fixed:2"]["tokens"] == rows["av"]["tokens"] == 4 * (6 - 1)
   assert ("block", 2, fixed) not in runner._states
   assert runner._states[("block", 2, av)] is not warm
+
+
+def test_drafting_cost_share_by_hand():
+  """Steps priced `draft_cost(rows) + verify_cost(active + verified)`: two busy steps, one
+  drafting (rows 1, 2 tokens verified), one not; an idle step is not counted."""
+  cost = av_jax.make_cost_model(np.array([0.0, 1.0, 2.0]), np.arange(7, dtype=float))
+  engine = type("E", (), {"config": type("C", (), {"num_slots": 2})()})()
+  active, verified = np.array([2, 2, 0]), np.array([2, 0, 0])
+  drafted, rows, busy = np.array([True, False, False]), np.array([1, 0, 0]), active > 0
+  # drafting step 1 + 4, plain step 2: 5 / 7
+  assert C._drafting_cost_share(cost, engine, active, verified, drafted, rows,
+                                busy) == pytest.approx(5 / 7)
+  assert C._drafting_cost_share(cost, engine, active, verified, drafted & False, rows,
+                                busy) == 0.0
+  assert C._drafting_cost_share(None, engine, active, verified, drafted, rows, busy) is None

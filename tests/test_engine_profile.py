@@ -121,3 +121,26 @@ def test_verify_growth_is_scaled_to_what_a_full_step_measured():
   # A full step far cheaper (noise): the scale stops at 0.1.
   cheap = dict(profile, step_ms=dict(skip=1.5, full=0.1))
   assert prof.verify_scale(cheap, num_slots=B, max_tokens=T) == pytest.approx(0.1)
+
+
+def test_a_spike_above_a_later_entry_is_retimed():
+  """An entry timed above a later (larger) one is re-timed and keeps the smaller time; a
+  monotone table is timed once per entry (negative control: nothing re-timed)."""
+  calls = {i: 0 for i in range(4)}
+  first = [1.0, 9.0, 3.0, 4.0]   # entry 1 spiked under load
+  again = [1.0, 2.0, 3.0, 4.0]
+
+  def timer(i):
+    def run():
+      calls[i] += 1
+      return first[i] if calls[i] == 1 else again[i]
+    return run
+
+  assert prof.retime_falls([timer(i) for i in range(4)]) == [1.0, 2.0, 3.0, 4.0]
+  assert calls == {0: 1, 1: 2, 2: 1, 3: 1}
+  calls.update({i: 0 for i in range(4)})
+  first[1] = 2.5
+  assert prof.retime_falls([timer(i) for i in range(4)]) == [1.0, 2.5, 3.0, 4.0]
+  assert calls == {0: 1, 1: 1, 2: 1, 3: 1}
+  # A spike that persists is kept (make_cost_model repairs it, with its warning).
+  assert prof.retime_falls([lambda: 1.0, lambda: 9.0, lambda: 3.0]) == [1.0, 9.0, 3.0]

@@ -36,9 +36,10 @@ def _engine(kind, copy_target=False, **overrides):
 @pytest.mark.parametrize("kind", ["draft_lm", "eagle", "block"])
 def test_gated_greedy_equals_target_only_greedy(kind):
   """Drafting never pays: only the re-check steps draft (steps 0 and 4, then 12: no slot
-  paid at the re-check of step 4, so the interval backs off from 4 to 8); the rest decode
-  target-only and the autoregressive drafters catch up. Output: exactly target-only
-  greedy decoding."""
+  paid at the re-check of step 4, so the interval backs off from 4 to 8), and the
+  first step of the fourth request (admitted at a chunk boundary into a freed slot, it
+  starts with a fresh verdict); the rest decode target-only and the
+  autoregressive drafters catch up. Output: exactly target-only greedy decoding."""
   engine, params = _engine(kind)
   assert engine.decider.planner.gated
   B, K = engine.config.num_slots, engine.config.max_draft
@@ -49,7 +50,15 @@ def test_gated_greedy_equals_target_only_greedy(kind):
   drafting = np.concatenate([i.drafting for i in result.infos])
   active = np.concatenate([i.active for i in result.infos]) > 0
   assert drafting[active].any() and not drafting[active].all()
-  np.testing.assert_array_equal(drafting, np.isin(np.arange(drafting.size), (0, 4, 12)))
+  rechecks = np.isin(np.arange(drafting.size), (0, 4, 12))
+  assert drafting[rechecks].all()
+  # At most one more drafting step: the fourth request's first, at a chunk boundary
+  # (where it is admitted; none when that is a re-check step), only its slot drafting.
+  extra = np.flatnonzero(drafting & ~rechecks)
+  assert extra.size <= 1
+  draft_slots = np.concatenate([i.draft_slots for i in result.infos])
+  for t in extra:
+    assert t % engine.config.steps_per_chunk == 0 and draft_slots[t].sum() == 1
   rows = np.concatenate([i.draft_rows for i in result.infos])
   passes = np.concatenate([i.draft_passes for i in result.infos])
   assert (rows[~drafting] == 0).all() and (passes[~drafting] == 0).all()
@@ -177,3 +186,36 @@ def test_drafter_with_a_cache_and_no_absorb_is_never_gated():
   engine = E.make_engine(E.EngineConfig(), cfg, drafter._replace(absorb=None))
   assert not engine.decider.planner.gated
   assert E.make_engine(E.EngineConfig(), cfg, drafter).decider.planner.gated
+
+
+@pytest.mark.parametrize("num_slots", [1, 3])
+def test_a_new_request_starts_with_a_fresh_verdict(num_slots):
+  """A request admitted to a slot is not held to the verdict of the slot's last request:
+  the slot's `slot_pays` is True again and its margin +inf (judged afresh at its first
+  drafting step); every other slot keeps its verdict and margin. B = 1 included (its
+  per-slot state has one entry, like a batch state, and is still per request)."""
+  engine, params = _engine("block", num_slots=num_slots)
+  B, K = engine.config.num_slots, engine.config.max_draft
+  prefill, _, init = G.compiled(engine)
+  state = init(params, fx.key(0), _cost(B, K, 100.0))
+  closed = state.planner._replace(slot_pays=jnp.zeros((B,), bool),
+                                  pay_margin=jnp.full((B,), -0.5, jnp.float32))
+  state = state._replace(planner=closed)
+  slot = B - 1
+  prompt = jnp.asarray([3, 1, 4, 1, 5, 0, 0, 0], jnp.int32)
+  state = prefill(params, state, prompt, jnp.int32(5), jnp.int32(slot), jnp.int32(8))
+  want = np.arange(B) == slot
+  np.testing.assert_array_equal(state.planner.slot_pays, want)
+  np.testing.assert_array_equal(state.planner.pay_margin, np.where(want, np.inf, -0.5))
+  # The next step drafts for the new request (the gate's own answer, before any step).
+  np.testing.assert_array_equal(
+      engine.decider.draft_slots(state.decision, state.active), want & np.asarray(state.active))
+
+
+def test_a_batch_verdict_is_kept_at_admission():
+  """A `[1]` (batch) verdict for B > 1 is not a request's: admission leaves it alone."""
+  planner = core.PlannerState(budget=jnp.int32(0), step=jnp.int32(0),
+                              slot_pays=jnp.zeros((1,), bool),
+                              pay_margin=jnp.full((1,), -0.5, jnp.float32))
+  kept = core._fresh_verdict(planner, jnp.int32(2), 3)
+  assert not bool(kept.slot_pays[0]) and float(kept.pay_margin[0]) == -0.5

@@ -191,8 +191,9 @@ def test_drafter_with_a_cache_and_no_absorb_is_never_gated():
 @pytest.mark.parametrize("num_slots", [1, 3])
 def test_a_new_request_starts_with_a_fresh_verdict(num_slots):
   """A request admitted to a slot is not held to the verdict of the slot's last request:
-  the slot's `slot_pays` is True again and its margin +inf (judged afresh at its first
-  drafting step); every other slot keeps its verdict and margin. B = 1 included (its
+  with no other request active, the slot's `slot_pays` is True again and its margin +inf
+  (judged afresh at its first drafting step); every other slot keeps its verdict and
+  margin. B = 1 included (its
   per-slot state has one entry, like a batch state, and is still per request)."""
   engine, params = _engine("block", num_slots=num_slots)
   B, K = engine.config.num_slots, engine.config.max_draft
@@ -217,5 +218,25 @@ def test_a_batch_verdict_is_kept_at_admission():
   planner = core.PlannerState(budget=jnp.int32(0), step=jnp.int32(0),
                               slot_pays=jnp.zeros((1,), bool),
                               pay_margin=jnp.full((1,), -0.5, jnp.float32))
-  kept = core._fresh_verdict(planner, jnp.int32(2), 3)
+  kept = core._fresh_verdict(planner, jnp.int32(2), 3, jnp.ones((3,), bool))
   assert not bool(kept.slot_pays[0]) and float(kept.pay_margin[0]) == -0.5
+
+
+def test_a_new_request_starts_with_the_batch_view():
+  """Beside other active requests, a new one tries drafting iff drafting pays for one of
+  them: where nothing pays (a large batch on a compute-bound device) an admission costs
+  no drafting step; inactive slots' verdicts do not count."""
+  B = 4
+  base = core.PlannerState(budget=jnp.int32(0), step=jnp.int32(0),
+                           slot_pays=jnp.asarray([False, False, True, False]),
+                           pay_margin=jnp.asarray([-0.5, -0.5, 0.7, -0.5], jnp.float32))
+  active = jnp.asarray([True, True, False, False])  # slot 2 (paying) is idle
+  closed = core._fresh_verdict(base, jnp.int32(3), B, active)
+  np.testing.assert_array_equal(closed.slot_pays, [False, False, True, False])
+  np.testing.assert_allclose(closed.pay_margin, [-0.5, -0.5, 0.7, 0.0])
+  opened = core._fresh_verdict(base, jnp.int32(3), B, active.at[2].set(True))
+  np.testing.assert_array_equal(opened.slot_pays, [False, False, True, True])
+  assert np.isinf(opened.pay_margin[3])
+  # Alone in the batch: drafting is tried.
+  alone = core._fresh_verdict(base, jnp.int32(0), B, jnp.zeros((B,), bool))
+  assert bool(alone.slot_pays[0]) and np.isinf(alone.pay_margin[0])

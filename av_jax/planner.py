@@ -544,35 +544,48 @@ def make_planner(
                    drafted=None):
     """The gate's state after a step: per-slot verdicts and the re-check back-off.
 
-    Slot b of D (active, drafted) is judged on this step's relative pay margin
-    m_b = g_b d / (rho (C - verify_cost(R))) - 1, with g_b the expected accepted drafts
-    of b's verified positions, rho = R / verify_cost(R) the tokens per unit cost of a
-    target-only step and C = f draft_cost(d) + verify_cost(R + n) this step's cost,
-    f = (deepest drafted depth) / K the share of the drafter passes that ran (1 unless a
-    drafting stop ended the loop early); exploration's extra positions are not part of
-    n and g (docs/algorithm.md section 8). The slot's smoothed margin is
-    `(1 - a) margin + a m_b` while it was drafting on its verdict, and m_b alone when it
-    is judged first or on a re-check after its drafts did not pay (a = `pay_smoothing`);
-    it pays while the smoothed margin is > 0, so one unlucky step does not close the
-    gate on a slot whose drafts pay on average, and a re-check opens it on fresh
-    evidence. A `[1]` state judges D as one slot (the batch rule (R + sum_b g_b) / C >
-    rho).
+    Slot b of D (active, drafted) is judged on the counterfactual step in which every
+    active slot drafts and verifies like b: relative pay margin
+    m_b = g_b verify_cost(R) / (C_b - verify_cost(R)) - 1, with g_b the expected accepted
+    drafts of b's n_b verified positions, C_b = f_b draft_cost(R) + verify_cost(R + R n_b)
+    and f_b = (b's drafted depth) / K the share of the drafter passes that ran (1 unless a
+    drafting stop ended b's drafting early); exploration's extra positions are not part
+    of n_b and g_b (docs/algorithm.md section 8.1). m_b > 0 iff that step earns more
+    tokens per unit cost than a target-only step ((R + R g_b) / C_b > R / verify_cost(R)).
+    The slot's smoothed margin is `(1 - a) margin + a m_b` while it was drafting on its
+    verdict, and m_b alone when it is judged first or on a re-check after its drafts did
+    not pay (a = `pay_smoothing`); it pays while the smoothed margin is > 0, so one
+    unlucky step does not close the gate on a slot whose drafts pay on average, and a
+    re-check opens it on fresh evidence. A `[1]` state judges D as one slot on the step
+    that ran (the batch rule (R + sum_b g_b) / C > rho, C = f draft_cost(d) +
+    verify_cost(R + n), f from the deepest drafted depth).
     """
     K = mask.shape[1]
     n = jnp.sum(mask, dtype=jnp.int32)  # the plan before exploration
     g = jnp.sum(jnp.where(mask, surv, 0.0), axis=1)  # [B]
     base = cost.verify_cost(R)
-    share = jnp.float32(1.0)
+    share = own = jnp.float32(1.0)
     if drafted is not None:  # an autoregressive drafter stopped early: fewer passes ran
-      deepest = jnp.max(jnp.where(planned, jnp.sum(drafted, axis=1), 0))
+      depth = jnp.sum(drafted, axis=1)                                    # [B]
+      deepest = jnp.max(jnp.where(planned, depth, 0))
       share = jnp.where(deepest > 0, deepest / K, 1.0).astype(jnp.float32)
-    step_cost = share * cost.draft_cost(d) + cost.verify_cost(R + n)
-    extra = R * (step_cost - base)  # the drafting step's extra, in token-cost units
+      own = jnp.where(depth > 0, depth / K, 1.0).astype(jnp.float32)     # [B]
     if pays_before.shape[0] == 1 and planned.shape[0] > 1:
+      # The batch rule: this step as it ran, its gain against its extra cost.
+      step_cost = share * cost.draft_cost(d) + cost.verify_cost(R + n)
+      extra = R * (step_cost - base)  # the drafting step's extra, in token-cost units
       value = (jnp.sum(jnp.where(mask, surv, 0.0)) * base)[None]
       judged = (d > 0)[None]
     else:
-      value = g * d.astype(jnp.float32) * base
+      # The counterfactual step: every active slot drafts and verifies like b (R drafting
+      # rows, R n_b verified positions). Judged against the step that ran instead, a lone
+      # re-checked slot would carry a whole drafter pass (for a weight-bound drafter,
+      # what all R rows cost) and never reopen.
+      n_b = jnp.sum(mask, axis=1, dtype=jnp.int32)                    # [B]
+      tokens = jnp.minimum(R + R * n_b, cost.verify_ms.shape[0] - 1)
+      step_cost = own * cost.draft_cost(R) + cost.verify_cost(tokens)     # [B]
+      extra = R * (step_cost - base)
+      value = g * R.astype(jnp.float32) * base
       judged = planned
     # Relative margin, clipped so one outlier step cannot dominate the average; a free
     # drafting step (extra <= 0) pays whatever it gains.

@@ -57,7 +57,8 @@ def _half_probs(good=0.9, bad=0.05):
 
 def _reference_pays(probs, cost, active, drafting):
   """The pay rule in NumPy float64: the optimal plan over drafting slots, then
-  g_b d > rho (C - verify_cost(R)) per slot (docs/algorithm.md section 8)."""
+  g_b verify_cost(R) > C_b - verify_cost(R) per slot, C_b the cost of the step in which
+  all R active slots draft and verify like b (docs/algorithm.md section 8.1)."""
   probs, active, drafting = map(np.asarray, (probs, active, drafting))
   draft_ms, verify_ms = (np.asarray(t, np.float64) for t in (cost.draft_ms, cost.verify_ms))
   surv = np.cumprod(probs.astype(np.float64), axis=1)
@@ -74,9 +75,10 @@ def _reference_pays(probs, cost, active, drafting):
   for _, i, b in entries[:best_n]:
     mask[b, i] = True
   g = np.where(mask, surv, 0.0).sum(axis=1)
-  rho = R / verify_ms[R]
-  C = draft_ms[d] + verify_ms[R + best_n]
-  return D & (g * d > rho * (C - verify_ms[R])), mask
+  # The counterfactual step: all R active slots draft and verify like b.
+  n_b = mask.sum(axis=1)
+  C = draft_ms[R] + verify_ms[np.minimum(R + R * n_b, len(verify_ms) - 1)]
+  return D & (g * verify_ms[R] > C - verify_ms[R]), mask
 
 
 # ----------------------------------------------------------------------------------------
@@ -154,6 +156,39 @@ def test_slots_that_did_not_draft_still_count_in_the_target_pass():
   np.testing.assert_array_equal(new2.pay_margin, new.pay_margin)
 
 
+def test_a_lone_rechecked_slot_is_judged_as_if_every_slot_drafted_like_it():
+  """A weight-bound drafter (one pass costs the same for 1 row as for 8) and nearly free
+  verification: drafting pays when the whole batch drafts, but a lone re-checked slot
+  would carry the whole pass on the step that ran. The counterfactual rule judges it as
+  if all R active slots drafted like it, so it opens (the others follow on their own
+  re-checks); the step-as-it-ran rule, the negative control, keeps it closed."""
+  planner = _planner()
+  cost = av_jax.make_cost_model(np.full(B + 1, 0.5), 1.0 + 0.002 * np.arange(B * (K + 1) + 1))
+  probs = jnp.full((B, K), 0.9, jnp.float32)
+  active = jnp.ones((B,), bool)
+  lone = jnp.arange(B) == 2
+  state = planner.init(B)._replace(step=jnp.int32(1), slot_pays=jnp.zeros((B,), bool),
+                                   pay_margin=jnp.zeros((B,), jnp.float32))
+  plan, new = planner.plan(state, probs, cost, active=active, drafting=lone, sound=lone)
+  assert int(plan.mask[2].sum()) == K and int(plan.mask.sum()) == K
+  want = _margins(probs, cost, active, lone)
+  np.testing.assert_allclose(float(new.pay_margin[2]), want[2], rtol=1e-5)
+  assert bool(new.slot_pays[2]) and want[2] > 0
+  np.testing.assert_array_equal(np.asarray(new.slot_pays)[~np.asarray(lone)], False)
+  # Negative control: the step that ran (draft_cost(1) + verify_cost(R + K)) charged to
+  # the one slot does not pay.
+  g = float(np.cumprod(np.full(K, 0.9)).sum())
+  ran = B * (float(cost.draft_cost(1)) + float(cost.verify_cost(B + K)) - float(cost.verify_cost(B)))
+  assert g * 1 * float(cost.verify_cost(B)) / ran - 1.0 < 0
+  # With every slot drafting alike, the counterfactual is the step that ran: the
+  # per-slot verdicts equal the batch rule's.
+  _, everyone = planner.plan(planner.init(B)._replace(step=jnp.int32(1)), probs, cost,
+                             active=active, drafting=active)
+  _, batch = planner.plan(planner.init()._replace(step=jnp.int32(1)), probs, cost,
+                          active=active, drafting=True)
+  assert np.asarray(everyone.slot_pays).all() == bool(batch.slot_pays[0]) == True
+
+
 def test_batch_state_is_the_batch_rule():
   """A `[1]` state (init() without num_slots) judges the batch as one slot: the rule
   `(R + sum g) / C > R / verify_cost(R)` of the batch gate."""
@@ -173,17 +208,20 @@ def test_batch_state_is_the_batch_rule():
 
 
 def _margins(probs, cost, active, drafting, share=1.0):
-  """The relative pay margin m_b = g_b d / (rho (C - verify_cost(R))) - 1 in NumPy, C
-  charging `share` of the drafting cost; NaN for slots not judged."""
+  """The relative pay margin m_b = g_b verify_cost(R) / (C_b - verify_cost(R)) - 1 in
+  NumPy, C_b (every active slot drafting and verifying like b) charging `share` of the
+  drafting cost; NaN for slots not judged."""
   probs, active, drafting = map(np.asarray, (probs, active, drafting))
   _, mask = _reference_pays(probs, cost, active, drafting)
   draft_ms, verify_ms = (np.asarray(t, np.float64) for t in (cost.draft_ms, cost.verify_ms))
   surv = np.cumprod(probs.astype(np.float64), axis=1)
   D = active & drafting
-  R, d, n = int(active.sum()), int(D.sum()), int(mask.sum())
+  R = int(active.sum())
   g = np.where(mask, surv, 0.0).sum(axis=1)
-  extra = R * (share * draft_ms[d] + verify_ms[R + n] - verify_ms[R])
-  m = np.clip(g * d * verify_ms[R] / extra - 1.0, -1.0, 4.0)
+  n_b = mask.sum(axis=1)
+  extra = (share * draft_ms[R] + verify_ms[np.minimum(R + R * n_b, len(verify_ms) - 1)]
+           - verify_ms[R])
+  m = np.clip(g * verify_ms[R] / extra - 1.0, -1.0, 4.0)
   return np.where(D, m, np.nan)
 
 

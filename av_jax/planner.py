@@ -497,6 +497,13 @@ def make_planner(
       optimal = _budget(ranking, cost, R, K, num_drafting=d)
       budget = state.budget if policy == "lagged" else optimal
       mask = _allocation(ranking, budget, B, K)
+      # The gate judges each slot on the positions the best plan for this step's drafts
+      # verifies, not the lagged budget's: a budget from a step on which fewer slots
+      # drafted starves some slots of this one (0 positions), and a slot judged on no
+      # verified position reads as not paying (margin -1) and closes although its drafts
+      # are good (modelled H200 EAGLE B = 8: a re-check of all 8 slots with the budget of
+      # a lone-slot step closed 3 of them).
+      judge = mask if policy == "current" else _allocation(ranking, optimal, B, K)
       if policy == "lagged":  # a step that did not draft has nothing to plan from
         next_budget = jnp.where(any_drafted, optimal, state.budget)
       if stop == "survival" and drafted is not None:
@@ -514,6 +521,7 @@ def make_planner(
     else:
       budget = jnp.asarray(B * K if policy == "fixed" else 0, jnp.int32)
       mask = allocate(surv, budget, active=active)
+      judge = mask
       if stop == "confidence" and policy == "fixed":
         # confstop: every active request verifies clip(L, 1, K) drafts, L the longest
         # confident prefix in the batch (`stopping.confidence_num_verified`).
@@ -529,7 +537,7 @@ def make_planner(
                                drafting_pays=jnp.asarray(state.drafting_pays),
                                depth_cap=jnp.asarray(depth_cap, jnp.int32))
     if gated:
-      new_state = _gate_update(state, new_state, pays_before, planned, mask, surv, cost,
+      new_state = _gate_update(state, new_state, pays_before, planned, judge, surv, cost,
                                R=R, d=d, drafted=drafted)
     mask = (mask | explored[:, None]) & drafting[:, None]
     if drafted is not None:  # verify only what was drafted (a prefix per slot)

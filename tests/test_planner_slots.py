@@ -189,6 +189,29 @@ def test_a_lone_rechecked_slot_is_judged_as_if_every_slot_drafted_like_it():
   assert np.asarray(everyone.slot_pays).all() == bool(batch.slot_pays[0]) == True
 
 
+def test_a_lagged_budget_does_not_close_the_slots_it_starves():
+  """Under the lagged policy the step verifies what the previous step's budget allows.
+  A budget from a step on which one slot drafted (here 1 position) leaves most of a
+  batch that drafts together with nothing verified; the gate judges every slot on the
+  best plan for this step's own drafts, so slots with good drafts stay open. Negative
+  control: judged on the lagged plan's positions, the starved slots read as not paying
+  (margin -1)."""
+  planner = _planner(policy="lagged")
+  cost, probs, active = _flat_cost(), jnp.full((B, K), 0.9, jnp.float32), jnp.ones((B,), bool)
+  state = planner.init(B)._replace(step=jnp.int32(1), budget=jnp.int32(1))
+  plan, new = planner.plan(state, probs, cost, active=active, drafting=active)
+  assert int(plan.mask.sum()) == 1  # the lagged budget ran (one slot verified one draft)
+  assert np.asarray(new.slot_pays).all()
+  np.testing.assert_allclose(np.asarray(new.pay_margin), _margins(probs, cost, active, active),
+                             rtol=1e-5)
+  lagged = np.asarray(plan.mask)
+  starved = ~lagged.any(axis=1)
+  assert starved.sum() == B - 1
+  surv = np.cumprod(np.full(K, 0.9))
+  g = np.where(lagged, surv[None], 0.0).sum(axis=1)
+  assert (g[starved] == 0).all()  # on the lagged plan: margin -1, the slot would close
+
+
 def test_batch_state_is_the_batch_rule():
   """A `[1]` state (init() without num_slots) judges the batch as one slot: the rule
   `(R + sum g) / C > R / verify_cost(R)` of the batch gate."""

@@ -259,3 +259,31 @@ def test_settings_refuse_a_stream_that_ends_in_warm_up():
     Settings(label_steps=32, refit_interval=16, warmup_rounds=2).validate()
   with pytest.raises(ValueError, match="drift_steps"):
     Settings(drift_steps=90, refit_interval=16).validate()
+
+
+def test_label_streams_get_enough_prompts_that_no_slot_idles():
+  """A stream of S steps keeps every slot labelling to its last step: `label_prompts`
+  gives each slot as many requests as the fastest possible requests could use. The old
+  fixed 4 per slot (the negative control) runs out and leaves slots idle."""
+  from av_jax.studies.run import Settings, label_prompts
+  s = Settings(k=3, label_slots=4, label_steps=24, label_max_new=4, drift_steps=8,
+               refit_interval=4)
+  cfg, drafter, params = fx.pair("block")
+  config = C.study_config(slots=4, max_draft=3, max_len=24, temperature=1.0, top_p=0.9,
+                          refit_interval=4, steps_per_chunk=4)
+  engine = E.make_engine(config, cfg, drafter)
+  rng = np.random.default_rng(1)
+
+  def busy_slots_per_step(num_prompts):
+    prompts = rng.integers(1, fx.VOCAB, (num_prompts, 5)).tolist()
+    d = C.collect(engine, params, [prompts], steps=s.label_steps, max_new=s.label_max_new,
+                  key=fx.key(0)).drafts
+    first = d.position == 0  # every busy slot labels its first draft every step
+    return np.bincount(d.step[first], minlength=s.label_steps)
+
+  assert label_prompts(s) == 4 * (24 // 1 + 1)  # a request can end after ceil(4 / 4) step
+  # Slots are refilled between 4-step chunks, so a chunk's busy slot-steps are compared.
+  chunks = busy_slots_per_step(label_prompts(s)).reshape(-1, 4).sum(1)
+  assert chunks.min() >= 0.75 * chunks[0], chunks
+  old = busy_slots_per_step(4 * s.label_slots).reshape(-1, 4).sum(1)
+  assert old[-1] < 0.75 * old[0], old  # the old count: its slots idle at the end

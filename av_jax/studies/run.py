@@ -62,7 +62,7 @@ def _mixed_prompts(pair, num: int, length: int, seed: int) -> list[list[int]]:
 def study_labels(pairs, s: Settings, log, progress: bool) -> dict:
   """Studies 1-4 data: labelled drafts per (drafter, workload) and the drift run."""
   max_len = s.prompt_len + s.label_max_new + s.k + 8
-  num_prompts = 4 * s.label_slots  # enough to keep every slot busy for the stream
+  num_prompts = label_prompts(s)
   streams, traces = {}, {}
   total = len(s.label_drafters) * len(WORKLOADS) * s.label_steps + len(s.drift_workloads) * s.drift_steps
   bar = _bar(total, "labelled drafts", progress)
@@ -97,6 +97,18 @@ def study_labels(pairs, s: Settings, log, progress: bool) -> dict:
   log(f"  drift {' -> '.join(s.drift_workloads)}: {len(drift.drafts)} drafts, "
       f"{drift.seconds:.1f} s")
   return dict(streams=streams, traces=traces, drift=drift)
+
+
+def label_prompts(s: Settings) -> int:
+  """Prompts per labelled stream: enough that no slot runs out before the stream ends.
+
+  A request commits at most K + 1 tokens a step, so it lasts at least
+  ceil(label_max_new / (K + 1)) steps; a slot serves at most steps / that + 1 requests.
+  (A fixed 4 per slot ran out after ~48 steps: idle slots label nothing.)
+  """
+  steps = max(s.label_steps, s.drift_steps)
+  shortest = -(-s.label_max_new // (s.k + 1))
+  return s.label_slots * max(4, steps // shortest + 1)
 
 
 def _pareto_arms(s: Settings) -> list:
@@ -342,6 +354,9 @@ def run(args) -> int:
       throughput_rows = (throughput_rows or []) + study_throughput(
           pairs, s, log, progress, compiled, concurrencies=(c,))
       timings["throughput_s"] = timings.get("throughput_s", 0.0) + time.perf_counter() - t
+      for key in [k for k in compiled if k[0] not in s.modelled_drafters or c not in modelled]:
+        del compiled[key]  # the modelled sweep needs only its drafters' engines
+      gc.collect()
     if c in modelled:
       t = time.perf_counter()
       log(f"[5m] throughput on the modelled clock {s.modelled_clock}, concurrency {c}")

@@ -20,9 +20,10 @@ class Settings:
   top_p: float = 0.95
   k: int = 8
   label_slots: int = 64            # concurrency of the labelled-draft runs
-  # Sized for <= 60 minutes on a 2-core CPU with the v2 models (a B = 64, K = 8 step of
-  # the 16M-parameter target is ~1 s here): 4 drafters x 4 workloads x 32 steps.
-  label_steps: int = 32            # decode steps per (drafter, workload) stream
+  # 4 drafters x 4 workloads x 96 steps + the drift run: ~300,000 labels with the v2
+  # models (~176 labels per B = 64 step; a step of the 16M-parameter target is ~1 s on a
+  # 2-core CPU, so labelling alone takes ~30 minutes there).
+  label_steps: int = 96            # decode steps per (drafter, workload) stream
   label_drafters: tuple = DRAFTERS
   prompt_len: int = 32
   label_max_new: int = 48          # output limit per request in labelled runs
@@ -32,9 +33,11 @@ class Settings:
   drift_drafter: str = "block"
   warmup_rounds: int = 1           # served predictions of the first rounds are warm-up
   concurrencies: tuple = (1, 16, 64)
-  pareto_ks: tuple = (0, 2, 4, 8)
+  pareto_ks: tuple = (0, 1, 2, 4, 6, 8)
   pareto_drafter: str = "block"
-  on_off_drafters: tuple = ("eagle", "block")
+  # AV on/off per drafter kind on mixed (block_head drafts what block drafts: its head
+  # changes nothing AV does, so its throughput is block's)
+  on_off_drafters: tuple = ("draft_lm", "eagle", "block")
   per_workload_drafter: str = "block"
   per_workload: bool = True        # the on/off sweep of per_workload_drafter per workload
   requests_per_slot: int = 1       # throughput requests = max(4, this * concurrency)

@@ -1,9 +1,11 @@
 """Studies suite: fits against scikit-learn, metrics, drift counting, Pareto, and the
 labelled-draft collection and report on tiny engines."""
 
+import dataclasses
 import json
 import os
 import re
+import sys
 
 import jax
 import numpy as np
@@ -287,3 +289,43 @@ def test_label_streams_get_enough_prompts_that_no_slot_idles():
   assert chunks.min() >= 0.75 * chunks[0], chunks
   old = busy_slots_per_step(4 * s.label_slots).reshape(-1, 4).sum(1)
   assert old[-1] < 0.75 * old[0], old  # the old count: its slots idle at the end
+
+
+def test_merge_adds_another_runs_modelled_points_and_names_it(tmp_path):
+  """`benchmarks/merge_studies.py`: a second process's modelled concurrencies join the
+  report (goals and the versus table recomputed) and its command is listed; a run that
+  adds nothing, or ran on another clock, is refused."""
+  sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+  import merge_studies
+  from av_jax.studies.run import Settings
+
+  def run(out, concurrencies, command, clock="h200:llama3-8b"):
+    s = Settings(k=3, modelled_concurrencies=concurrencies, modelled_drafters=("eagle",),
+                 modelled_clock=clock)
+    rows = [dict(drafter="eagle", workload="mixed", concurrency=c, arm=arm.name,
+                 mode=arm.mode, k=arm.k, repeat=0, clock=clock,
+                 tokens_per_s=(130.0 if arm.mode == "av" else 100.0) * c,
+                 per_request_tokens_per_s=100.0, tokens_per_step=2.0, verified_per_step=3.0,
+                 seconds=1.0, steps=10, acceptance=0.5, drafted_share=0.5,
+                 draft_passes_per_step=1.5)
+            for c in concurrencies for arm in T.pareto_arms((0, 2), 3, oracle=False)]
+    results = dict(command=command, settings=dataclasses.asdict(s), commit="abc1234",
+                   hardware=dict(cpu="x", usable_cores=2, backend="cpu", device="cpu",
+                                 jax=jax.__version__, python="3",
+                                 load_avg_start=[0.0, 0.0, 0.0]),
+                   timings=dict(modelled_s=5.0, total_s=6.0))
+    os.makedirs(out)
+    R.write(str(out), results, s, modelled_rows=rows)
+
+  run(tmp_path / "a", (16,), "av-jax bench A")
+  run(tmp_path / "b", (256,), "av-jax bench B")
+  run(tmp_path / "c", (64,), "av-jax bench C", clock="tpu-v5e:llama3-8b")
+  merged = merge_studies.merge(str(tmp_path / "a"), [str(tmp_path / "b")])
+  assert sorted(v["concurrency"] for v in merged["modelled"]["versus"]) == [16, 256]
+  assert merged["settings"]["modelled_concurrencies"] == [16, 256]
+  md = (tmp_path / "a" / "studies.md").read_text()
+  assert "Merged in" in md and "`av-jax bench B`" in md
+  with pytest.raises(ValueError, match="adds no modelled"):
+    merge_studies.merge(str(tmp_path / "a"), [str(tmp_path / "b")])
+  with pytest.raises(ValueError, match="clock"):
+    merge_studies.merge(str(tmp_path / "a"), [str(tmp_path / "c")])

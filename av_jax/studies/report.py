@@ -682,6 +682,10 @@ def _markdown(results: dict, s, plots: dict) -> str:
         f"Wall time: " + ", ".join(f"{k} {v:.0f} s" for k, v in results["timings"].items())
         + ".\n",
         "Settings: " + ", ".join(f"{k}={v}" for k, v in results["settings"].items()) + ".\n",
+        "".join(f"Merged in (`benchmarks/merge_studies.py`): `{m['command']}`, commit "
+                f"{m.get('commit') or 'not recorded'}, {m['rows']} modelled rows, wall time "
+                + ", ".join(f"{k} {v:.0f} s" for k, v in (m.get("timings") or {}).items())
+                + ".\n" for m in results.get("merged_runs", [])),
         ("**Partial report**: written after a study finished; the run had not ended.\n"
          if results.get("partial") else ""),
         "Every number below is in `studies.json`. Speeds are compared side by side in one "

@@ -541,7 +541,7 @@ def _plots(out_dir: str, results: dict, s) -> dict[str, str]:
   lab = results.get("labels")
   if lab and lab.get("estimator_vs_head"):
     cmp = lab["estimator_vs_head"]
-    fig, ax = plt.subplots(figsize=(5.5, 3.6))
+    fig, ax = plt.subplots(figsize=(5.5, 4.8))
     for name, c in cmp.items():
       style = dict(marker="o")
       if name == "q_max, no fit":
@@ -551,28 +551,50 @@ def _plots(out_dir: str, results: dict, s) -> dict[str, str]:
         name += " (same AUC as the shipped fit: same ranking)"
       ax.plot(np.arange(1, s.k + 1), c["auc_at"], label=name, **style)
     ax.set(xlabel="draft position", ylabel="AUC", title="AUC per position (block_head)")
-    ax.legend(fontsize=7)
+    ax.set_xticks(np.arange(1, s.k + 1))
+    # Below the axes: inside, the legend hides the lines it names.
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=1)
     save(fig, "auc_per_position.png")
     fig, ax = plt.subplots(figsize=(4.6, 4.2))
-    ax.plot([0, 1], [0, 1], color="grey", lw=0.8)
-    for name, c in cmp.items():
+    ax.plot([0, 1], [0, 1], color="grey", lw=0.8, label="perfect calibration")
+    for i, (name, c) in enumerate(cmp.items()):
       r = c["reliability"]
       keep = np.asarray(r["count"]) > 0
-      ax.plot(np.asarray(r["mean_pred"])[keep], np.asarray(r["observed"])[keep], marker="o",
-              label=name)
+      ax.plot(np.asarray(r["mean_pred"])[keep], np.asarray(r["observed"])[keep],
+              marker=MARKERS[i % len(MARKERS)], label=name)
     ax.set(xlabel="predicted acceptance", ylabel="observed acceptance",
            title="Reliability (block_head, out of sample)")
     ax.legend(fontsize=7)
     save(fig, "reliability.png")
   if lab:
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
+    # Colour = workload, line style = drafter, so each of the 16 lines is told apart
+    # without a 16-colour cycle; a drafter whose traces equal another's (block_head
+    # drafts what block drafts) is drawn once and named with it.
+    workloads = list(dict.fromkeys(t["workload"] for t in lab["traces"]))
+    kinds = list(dict.fromkeys(t["drafter"] for t in lab["traces"]))
+    groups = []
     for t in lab["traces"]:
-      axes[0].plot(t["step"], t["slope"], label=f"{t['drafter']}/{t['workload']}", lw=0.9)
-      axes[1].plot(t["step"], t["intercept1"], lw=0.9)
+      g = next((g for g in groups if g["workload"] == t["workload"]
+                and np.array_equal(g["slope"], t["slope"])
+                and np.array_equal(g["intercept1"], t["intercept1"])), None)
+      if g is None:
+        groups.append(dict(t, names=[t["drafter"]]))
+      else:
+        g["names"].append(t["drafter"])
+    styles = ["-", "--", ":", "-."]
+    for g in groups:
+      style = dict(lw=1.1, color=f"C{workloads.index(g['workload']) % 10}",
+                   ls=styles[kinds.index(g["names"][0]) % len(styles)])
+      same = f" (= {', '.join(g['names'][1:])})" if len(g["names"]) > 1 else ""
+      axes[0].plot(g["step"], g["slope"], label=f"{g['names'][0]}{same}/{g['workload']}",
+                   **style)
+      axes[1].plot(g["step"], g["intercept1"], **style)
     axes[0].set(xlabel="decode step", ylabel="slope w", title="online slope")
     axes[1].set(xlabel="decode step", ylabel="intercept, position 1",
                 title="online first intercept")
-    axes[0].legend(fontsize=5, ncol=2)
+    axes[1].legend(*axes[0].get_legend_handles_labels(), fontsize=6, loc="upper left",
+                   bbox_to_anchor=(1.02, 1.0), title="drafter/workload", title_fontsize=6)
     save(fig, "coefficient_traces.png")
     d = lab["drift"]
     fig, ax = plt.subplots(figsize=(6, 3.4))
@@ -584,6 +606,7 @@ def _plots(out_dir: str, results: dict, s) -> dict[str, str]:
       ax.axvline(x, color="red", lw=0.8, label="workload switch" if i == 0 else None)
     ax.set(xlabel="refit round", ylabel="ECE of served predictions",
            title="Drift: " + " -> ".join(d["workloads"]))
+    ax.set_xticks(rounds)
     ax.legend(fontsize=7)
     save(fig, "drift_ece.png")
   tp = results.get("throughput")
@@ -591,23 +614,23 @@ def _plots(out_dir: str, results: dict, s) -> dict[str, str]:
     summ = [r for r in tp["summary"] if r["drafter"] == s.pareto_drafter
             and r["workload"] == "mixed"]
     arms = list(dict.fromkeys(r["arm"] for r in summ))
-    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    fig, ax = plt.subplots(figsize=(8.6, 4.4))
     _pareto_lines(ax, summ, arms)
     ax.set(xlabel="per-request tokens/s (interactivity)", ylabel="total tokens/s",
            title=f"Pareto: fixed K vs AV ({s.pareto_drafter}, mixed; labels = concurrency)",
            xscale="log", yscale="log")
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))  # off the lines
     save(fig, "pareto.png")
     fig, ax = plt.subplots(figsize=(6.4, 3.8))
     keys = sorted({(r["drafter"], r["workload"]) for r in tp["ratios"]
                    if r["arm"] == f"AV (K={s.k})"})
-    for d, w in keys:
+    for i, (d, w) in enumerate(keys):
       pts = sorted((r for r in tp["ratios"] if r["drafter"] == d and r["workload"] == w
                     and r["arm"] == f"AV (K={s.k})"), key=lambda r: r["concurrency"])
       ax.errorbar([r["concurrency"] for r in pts], [r["median"] for r in pts],
                   yerr=[[r["median"] - r["min"] for r in pts], [r["max"] - r["median"]
                                                                for r in pts]],
-                  marker="o", capsize=2, label=f"{d}/{w}")
+                  marker=MARKERS[i % len(MARKERS)], capsize=2, label=f"{d}/{w}")
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.set(xscale="log", xlabel="concurrency", ylabel=f"AV tokens/s / fixed K={s.k}",
            title="AV on vs off (side-by-side ratios; bars = spread over repeats)")
@@ -622,12 +645,12 @@ def _plots(out_dir: str, results: dict, s) -> dict[str, str]:
     recs = mo["records"]
     arms = list(dict.fromkeys(r["arm"] for r in recs))
     for d in sorted({r["drafter"] for r in recs}):
-      fig, ax = plt.subplots(figsize=(6.8, 4.6))
+      fig, ax = plt.subplots(figsize=(9.0, 4.6))
       _pareto_lines(ax, [r for r in recs if r["drafter"] == d], arms)
       ax.set(xlabel="per-request tokens/s (modelled)", ylabel="total tokens/s (modelled)",
              title=f"Modelled {mo['clock']}: Pareto ({d}, mixed; labels = concurrency)",
              xscale="log", yscale="log")
-      ax.legend(fontsize=6)
+      ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.02, 1.0))
       save(fig, "modelled_pareto.png")
       break  # one drafter's picture (the first); the tables hold every drafter
     fig, ax = plt.subplots(figsize=(6.4, 3.8))

@@ -264,6 +264,9 @@ def _compare_args(p: argparse.ArgumentParser) -> None:
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--warm-start", action="store_true",
                  help="fit the estimator on a warm-up run first; runs continue from it")
+  p.add_argument("--drafter-backlog", type=_positive_int, default=None,
+                 help="pending tokens a gated-off autoregressive drafter keeps before "
+                      "absorbing them (default 4 (K + 1); 1: the eager catch-up, K + 1)")
   p.add_argument("--json", default=None, help="write settings and results here")
 
 
@@ -275,6 +278,7 @@ def cmd_compare(args) -> None:
                      requests_per_slot=args.requests_per_slot, max_len=args.max_len,
                      temperature=args.temperature, top_p=args.top_p, seed=args.seed,
                      context_len=args.context_len, warm_start=args.warm_start,
+                     drafter_backlog=args.drafter_backlog,
                      log=lambda line: print(line, flush=True))
   if args.json:
     C.write_json(args.json, result)

@@ -56,12 +56,11 @@ def _fields(state, row):
                                                        "position")]
 
 
-@pytest.mark.parametrize("kind", ["draft_lm", "eagle"])
-@pytest.mark.parametrize("n", [1, 3, K + 2, 2 * K + 5])
-def test_catch_up_drafts_like_a_state_that_saw_every_token(kind, n):
-  cfg, drafter, params = fx.pair(kind)
+def _committed_once(kind: str, n: int):
+  """Prefill, then one draft + commit of EMITTED target tokens for both rows; the greedy
+  sequence reaches n target-only tokens further."""
+  _, drafter, params = fx.pair(kind)
   seq, hidden = _greedy(kind, P + 1 + EMITTED + n)
-  # Prefill, then one draft + commit of EMITTED target tokens for both rows.
   state = _prefilled(drafter, params, seq, hidden, [P + 1, P + 1])
   out = drafter.draft(params.drafter, params.target, state, fx.key(1), K=K, temperature=0.0)
   emitted = np.full((2, K + 1), -1, np.int32)
@@ -69,6 +68,13 @@ def test_catch_up_drafts_like_a_state_that_saw_every_token(kind, n):
   state = drafter.commit(out.state, emitted_tokens=emitted,
                          num_emitted=np.full((2,), EMITTED, np.int32),
                          target_hidden=hidden[:, P:P + K + 1])
+  return drafter, params, seq, hidden, state
+
+
+@pytest.mark.parametrize("kind", ["draft_lm", "eagle"])
+@pytest.mark.parametrize("n", [1, 3, K + 2, 2 * K + 5])
+def test_catch_up_drafts_like_a_state_that_saw_every_token(kind, n):
+  drafter, params, seq, hidden, state = _committed_once(kind, n)
   stale = state
   # n target-only steps for row 0; row 1 is not in the mask.
   catch = jax.jit(drafters.catch_up, static_argnums=0)
@@ -90,6 +96,67 @@ def test_catch_up_drafts_like_a_state_that_saw_every_token(kind, n):
   # Negative control: without catch-up the drafter's state is stale and drafts otherwise.
   stale_logits = _draft_logits(drafter, params, stale)
   assert not np.allclose(stale_logits[0], want[0], atol=1e-2)
+
+
+WIDTH = 4 * (K + 1)  # a backlog of up to WIDTH pending entries (lazy catch-up)
+
+
+@pytest.mark.parametrize("kind", ["draft_lm", "eagle"])
+@pytest.mark.parametrize("n", [3, 2 * K + 5, WIDTH + 3])
+def test_lazy_catch_up_absorbs_only_when_the_slot_drafts_and_drafts_the_same(kind, n):
+  """A `widen`ed state keeps the target-only steps' tokens pending (the cache untouched
+  until WIDTH are pending); `settle` then absorbs the backlog, and the slot drafts what
+  the eager catch-up (absorb every K + 1) and a state that saw every token draft."""
+  drafter, params, seq, hidden, state = _committed_once(kind, n)
+  catch = jax.jit(drafters.catch_up, static_argnums=0)
+  mask = np.array([True, False])
+  eager, lazy = state, drafters.widen(state, WIDTH)
+  assert lazy.tokens.shape == (2, WIDTH) and lazy.hidden.shape[1] == WIDTH
+  committed = P + 1 + EMITTED
+  for _ in range(n):
+    args = dict(token=seq[:, committed], hidden=hidden[:, committed - 1], mask=mask)
+    eager = catch(drafter, params.drafter, params.target, eager, **args)
+    before = lazy
+    lazy = catch(drafter, params.drafter, params.target, lazy, **args)
+    if int(before.num_pending[0]) < WIDTH:  # no absorb: the cache is bit-identical
+      for a, b in zip(jax.tree.leaves(lazy.cache), jax.tree.leaves(before.cache)):
+        np.testing.assert_array_equal(a, b)
+    committed += 1
+  assert int(lazy.num_pending[0]) == (EMITTED + n - 1) % WIDTH + 1
+  # Negative control of "untouched": the eager catch-up absorbed within these steps.
+  assert any(not np.array_equal(a, b) for a, b in
+             zip(jax.tree.leaves(eager.cache), jax.tree.leaves(state.cache)))
+
+  settled = jax.jit(drafters.settle, static_argnums=0, static_argnames="width")(
+      drafter, params.drafter, params.target, lazy, width=K + 1)
+  assert settled.tokens.shape == (2, K + 1)
+  assert int(settled.num_pending[0]) <= K + 1
+  for a, b in zip(_fields(settled, 1), _fields(drafters.narrow(lazy, K + 1), 1)):
+    np.testing.assert_array_equal(a, b)  # a slot without a backlog is only narrowed
+  got = _draft_logits(drafter, params, settled)
+  want = _draft_logits(drafter, params,
+                       _prefilled(drafter, params, seq, hidden, [committed, P + 1 + EMITTED]))
+  np.testing.assert_allclose(got, want, atol=1e-4)
+  np.testing.assert_allclose(got, _draft_logits(drafter, params, eager), atol=1e-4)
+  # Negative control: narrowed without settling, the backlog is lost.
+  if int(lazy.num_pending[0]) > K + 1:
+    lost = _draft_logits(drafter, params, drafters.narrow(
+        lazy._replace(num_pending=jnp.minimum(lazy.num_pending, K + 1)), K + 1))
+    assert not np.allclose(lost[0], want[0], atol=1e-2)
+
+
+def test_widen_narrow_and_settle_check_their_width():
+  _, drafter, params = fx.pair("eagle")
+  seq, hidden = _greedy("eagle", P + 2)
+  state = _prefilled(drafter, params, seq, hidden, [P + 1, P + 1])
+  with pytest.raises(ValueError, match="width"):
+    drafters.widen(state, K)
+  with pytest.raises(ValueError, match="width"):
+    drafters.narrow(state, K + 2)
+  assert drafters.widen(state, K + 1) is state
+  with pytest.raises(ValueError, match="absorb"):
+    drafters.settle(drafter._replace(absorb=None), params.drafter, params.target,
+                    drafters.widen(state, WIDTH), width=K + 1)
 
 
 def test_parallel_catch_up_is_a_one_token_commit():

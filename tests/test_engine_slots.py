@@ -69,15 +69,19 @@ def test_gated_greedy_equals_target_only_greedy(kind):
                                           else K * slots.sum())
 
 
-def test_caught_up_drafter_accepts_like_a_never_gated_one():
+@pytest.mark.parametrize("backlog", [None, 5, 7])
+def test_caught_up_drafter_accepts_like_a_never_gated_one(backlog):
   """The drafter is the target (draft_lm = target): a never-gated run accepts every
   verified draft; after every gated stretch the caught-up drafter still does (a stale
-  drafter state would not: tests/test_drafter_catchup.py's control)."""
+  drafter state would not: tests/test_drafter_catchup.py's control). Backlogs: the
+  default (4 (K + 1) = 20, absorbed when a slot drafts again), K + 1 = 5 (the eager
+  catch-up) and 7 (filled and absorbed within stretches, and settled at re-checks)."""
   want = [fx.greedy_reference(True, p, n) for p, n in zip(PROMPTS, [20, 25, 18, 22])]
   # An estimator that verifies little at first can make even free drafting "not pay", so
   # the never-gated run turns the gate off.
   for draft_ms, gated in ((100.0, True), (1e-3, False)):
-    engine, params = _engine("draft_lm", copy_target=True, skip_unprofitable_drafts=gated)
+    engine, params = _engine("draft_lm", copy_target=True, skip_unprofitable_drafts=gated,
+                             drafter_backlog=backlog)
     B, K = engine.config.num_slots, engine.config.max_draft
     result = E.generate(engine, params, PROMPTS, max_new_tokens=[20, 25, 18, 22],
                         key=fx.key(0), cost=_cost(B, K, draft_ms), keep_infos=True)
@@ -179,6 +183,56 @@ def test_gated_idle_slots_inert_and_no_recompile():
                                   getattr(state.drafter, name))
   assert int(jnp.sum(info.emitted)) == 0 and not bool(jnp.any(info.draft_slots))
   assert int(jnp.sum(info.draft_rows)) == 0
+
+
+@pytest.mark.parametrize("kind", ["eagle", "draft_lm"])
+def test_a_gated_off_step_leaves_the_drafter_cache_alone_until_the_backlog_fills(kind):
+  """Lazy catch-up in the engine: a step on which no slot drafts appends to each slot's
+  backlog and runs no absorb (the drafter cache is bit-identical) until a backlog holds
+  `pending_width` entries; with the eager catch-up (`drafter_backlog` = K + 1, the
+  negative control) gated-off steps absorb every K + 1 steps."""
+  ran = {}
+  for backlog in (None, 5):
+    engine, params = _engine(kind, drafter_backlog=backlog)
+    B, K = engine.config.num_slots, engine.config.max_draft
+    width = engine.pending_width
+    assert width == (4 * (K + 1) if backlog is None else backlog)
+    prefill, _, init = G.compiled(engine)
+    state = init(params, fx.key(3), _cost(B, K, 1e6))
+    for slot in range(B):
+      state = prefill(params, state, jnp.arange(8, dtype=jnp.int32) % 7 + 1, jnp.int32(8),
+                      jnp.int32(slot), jnp.int32(60))
+    assert state.drafter.tokens.shape == (B, width)
+    step = jax.jit(lambda p, s: core.step(engine, p, s))
+    untouched, absorbed = 0, 0
+    for _ in range(30):
+      new, info = step(params, state)
+      if not bool(info.drafting):
+        full = bool(jnp.any(state.drafter.num_pending >= width))
+        same = all(np.array_equal(a, b) for a, b in zip(
+            jax.tree.leaves(new.drafter.cache), jax.tree.leaves(state.drafter.cache)))
+        assert same or full  # the cache changes only when a backlog is full
+        untouched += same
+        absorbed += not same
+      state = new
+    ran[backlog] = (untouched, absorbed)
+  # Lazy: most gated-off steps leave the cache alone (slots whose backlogs fill at
+  # different steps absorb on different steps); eager: an absorb every K + 1 steps.
+  assert ran[None][0] >= 20 and ran[5][1] >= 3 and ran[None][1] < ran[5][1]
+
+
+def test_drafter_backlog_config():
+  assert E.EngineConfig(max_draft=4).pending_width() == 20
+  assert E.EngineConfig(max_draft=4, drafter_backlog=5).pending_width() == 5
+  for bad in (4, 0, 2.5, True, "8"):
+    with pytest.raises(ValueError, match="drafter_backlog"):
+      E.EngineConfig(max_draft=4, drafter_backlog=bad)
+  cfg, drafter, _ = fx.pair("block")  # a parallel drafter keeps one-token blocks
+  assert E.make_engine(E.EngineConfig(max_draft=4), cfg, drafter).pending_width == 5
+  cfg, drafter, _ = fx.pair("eagle")
+  assert E.make_engine(E.EngineConfig(max_draft=4), cfg, drafter).pending_width == 20
+  assert E.make_engine(E.EngineConfig(max_draft=4, mode="fixed"), cfg,
+                       drafter).pending_width == 5  # never gated
 
 
 def test_drafter_with_a_cache_and_no_absorb_is_never_gated():

@@ -35,7 +35,8 @@ from av_jax.estimator import EstimatorConfig, EstimatorState
 from av_jax.features import FEATURES, logit_qmax
 from av_jax.models.config import ModelsConfig
 from av_jax.models.drafters import (Drafter, DrafterState, can_skip, catch_up, insert_slot,
-                                    keep_inactive, put_slots, take_slots)
+                                    keep_inactive, narrow, put_slots, settle, take_slots,
+                                    widen)
 from av_jax.models.sampling import sample_tokens, sampling_probs
 from av_jax.planner import PlannerConfig, PlannerState
 from av_jax.rejection import RejectionResult, rejection_sample
@@ -83,6 +84,12 @@ class EngineConfig:
   # gathered into the smallest E >= their number (ascending, the last B); None: the
   # geometric {ceil(B/8), ceil(B/4), ceil(B/2), B}.
   draft_buckets: tuple[int, ...] | None = None
+  # Lazy catch-up: under the skip-drafting gate an autoregressive drafter's slot that does
+  # not draft keeps up to this many committed tokens (and their target hidden states)
+  # pending, absorbed when it drafts again or when this many are pending
+  # (`drafters.widen` / `settle`); >= K + 1 (K + 1: absorb every K + 1 steps, the eager
+  # catch-up). None: 4 (K + 1). Memory: B x P target hidden states.
+  drafter_backlog: int | None = None
   eos_id: int = -1               # end-of-sequence token (-1: none)
   steps_per_chunk: int = 16      # decode steps per `run_chunk` (host sync granularity)
   record_features: bool = False  # StepInfo.extra holds every RECORDED_FEATURES (studies)
@@ -148,6 +155,19 @@ class EngineConfig:
                  or not 1 <= e <= self.num_slots for e in sizes)):
         raise ValueError(f"draft_buckets: expected a non-empty tuple of ints in [1, "
                          f"num_slots = {self.num_slots}], got {sizes!r}")
+
+    if self.drafter_backlog is not None and (
+        isinstance(self.drafter_backlog, bool)
+        or not isinstance(self.drafter_backlog, (int, np.integer))
+        or self.drafter_backlog < self.max_draft + 1):
+      raise ValueError(f"drafter_backlog: expected an int >= max_draft + 1 = "
+                       f"{self.max_draft + 1} or None, got {self.drafter_backlog!r}")
+
+  def pending_width(self) -> int:
+    """P, the pending columns of a drafter state under lazy catch-up
+    (`drafter_backlog`, default 4 (K + 1))."""
+    K1 = self.max_draft + 1
+    return 4 * K1 if self.drafter_backlog is None else int(self.drafter_backlog)
 
   def draft_bucket_sizes(self) -> tuple[int, ...]:
     """Draft bucket sizes E, ascending, the last B: a gated step drafting for n slots
@@ -282,6 +302,15 @@ class Engine(NamedTuple):
   def buckets(self) -> tuple[int, ...]:
     return self.config.bucket_sizes()
 
+  @property
+  def pending_width(self) -> int:
+    """The drafter state's pending columns: `EngineConfig.pending_width()` where a slot
+    may skip drafting an autoregressive drafter (lazy catch-up), else K + 1."""
+    gated = self.arm.drafts and self.decider.planner.gated
+    if gated and self.drafter.absorb is not None:
+      return self.config.pending_width()
+    return self.config.max_draft + 1
+
 
 def _flat_property(group: str, field: str) -> property:
   return property(lambda self: getattr(getattr(self, group), field),
@@ -392,6 +421,7 @@ def init_state(engine: Engine, params: Params, key: jax.Array,
       params.drafter, params.target, prompt=one, prompt_hidden=hidden,
       next_token=jnp.zeros((B,), jnp.int32), K=K, max_len=M,
       prompt_lens=jnp.ones((B,), jnp.int32))
+  drafter = widen(drafter, engine.pending_width)
   return DecodeState(
       target_cache=engine.target.init_cache(B, M),
       drafter=drafter,
@@ -436,6 +466,7 @@ def prefill(engine: Engine, params: Params, state: DecodeState, *, prompt: jax.A
       params.drafter, params.target, prompt=prompt[None], prompt_hidden=hidden[None],
       next_token=first[None], K=cfg.max_draft, max_len=cfg.max_len,
       prompt_lens=prompt_len[None])
+  dstate = widen(dstate, engine.pending_width)
   row = jnp.zeros((cfg.max_len,), jnp.int32).at[:P].set(jnp.where(valid[0], prompt, 0))
   row = row.at[prompt_len].set(first)
   done = (max_new <= 1) | (first == cfg.eos_id)
@@ -926,9 +957,11 @@ def _gated_commit_phase(engine: Engine, params: Params, state: DecodeState, draf
   caught = catch_up(engine.drafter, params.drafter, params.target, drafts.state,
                     token=verdict.result.tokens[:, 0], hidden=verdict.target_hidden[:, 0],
                     mask=active & ~slots)
-  committed = engine.drafter.commit(drafts.state, emitted_tokens=verdict.result.tokens,
-                                    num_emitted=verdict.result.num_emitted,
-                                    target_hidden=verdict.target_hidden)
+  # The drafting slots were settled (no backlog), so K + 1 columns hold their pending.
+  committed = widen(engine.drafter.commit(
+      narrow(drafts.state, engine.config.max_draft + 1),
+      emitted_tokens=verdict.result.tokens, num_emitted=verdict.result.num_emitted,
+      target_hidden=verdict.target_hidden), engine.pending_width)
   merged = keep_inactive(committed, caught, slots)._replace(cache=caught.cache)
   return keep_inactive(merged, state.drafter, active)
 
@@ -1007,8 +1040,9 @@ def _gated_step(engine: Engine, params: Params, state: DecodeState, *, key: jax.
   draft bucket E >= n (`EngineConfig.draft_bucket_sizes`, `lax.switch` over one program
   per bucket); the top bucket E = B drafts every row in place. n = 0 runs no drafter
   pass: the target verifies the B base tokens (the smallest packed bucket) and draws
-  each slot's token from its own distribution, and the drafter only catches up (an
-  absorb every K + 1 steps for an autoregressive drafter). Slots that did not draft
+  each slot's token from its own distribution, and the drafter only catches up (for an
+  autoregressive drafter the token joins the slot's backlog, absorbed when the slot
+  drafts again or every `pending_width` steps: lazy catch-up). Slots that did not draft
   catch up.
   """
   cfg, decider, active = engine.config, engine.decider, state.active
@@ -1033,7 +1067,11 @@ def _gated_step(engine: Engine, params: Params, state: DecodeState, *, key: jax.
       idx = jnp.arange(B, dtype=jnp.int32) if whole else order[:E]
       rows = state.drafter if whole else take_slots(state.drafter, idx)
       keep = slots[idx]
+      # Lazy catch-up: a drafting row first absorbs its backlog (`settle`).
+      rows = settle(engine.drafter, params.drafter, params.target, rows,
+                    width=cfg.max_draft + 1)
       sub = _draft(engine, params, rows, k_draft, decision, active=keep, slots=idx)
+      sub = sub._replace(state=widen(sub.state, engine.pending_width))
       return _scatter_drafts(engine, state, sub, idx, keep, whole=whole)
     return run
 

@@ -1,12 +1,15 @@
 """What a gated-off step costs: an AV step that drafts for no slot vs a target-only step.
 
 Issue 14's goal ("AV never loses"): where drafting does not pay, AV's step with every
-slot gated off (no drafter pass but the catch-up, an absorb every K + 1 steps for an
-autoregressive drafter) must cost at most 5% more than a target-only step, at every
-concurrency. `measure_gate_cost` times both side by side in one process on random
-weights of a model set (timing does not depend on the weights), N repeats interleaved,
-each a chunk of K + 1 decode steps (so the absorb is amortized as in a run) with every
-slot busy. `benchmarks/gate_cost.py` is its command line.
+slot gated off (no drafter pass but the catch-up: for an autoregressive drafter the
+token joins the slot's backlog, absorbed when `pending_width` are pending) must cost at
+most 5% more than a target-only step, at every concurrency. `measure_gate_cost` times
+both side by side in one process on random weights of a model set (timing does not
+depend on the weights), N repeats interleaved, each a chunk of `steps` decode steps with
+every slot busy: by default the AV engine's `pending_width` steps, so each chunk holds
+one absorb of a full backlog per slot (a long gated-off stretch, amortized as in a
+run); `steps` = K + 1 with the default backlog times a short stretch (no absorb).
+`benchmarks/gate_cost.py` is its command line.
 
 Example:
   >>> rows = measure_gate_cost(M.load_config("tiny"), kinds=("eagle",), concurrency=(1, 8))
@@ -51,10 +54,10 @@ def _busy_state(engine: core.Engine, params: core.Params, *, prompt_len: int):
   return state
 
 
-def _timer(engine: core.Engine, params: core.Params, state):
-  """`() -> seconds` of one chunk from `state` (not donated: every call starts there)."""
-  run = jax.jit(lambda p, s: core.run_chunk(engine, p, s))
-  state, info = run(params, state)  # the first gated-off step closes the gate
+def _timer(engine: core.Engine, params: core.Params, state, steps: int):
+  """`() -> seconds` of `steps` steps from `state` (not donated: every call starts there)."""
+  state, _ = jax.jit(lambda p, s: core.step(engine, p, s))(params, state)  # closes the gate
+  run = jax.jit(lambda p, s: core.run_chunk(engine, p, s, steps))
   jax.block_until_ready(run(params, state))  # compile and warm up
 
   def timed() -> float:
@@ -69,7 +72,8 @@ def measure_gate_cost(models: ModelsConfig, *, kinds: Sequence[str] = ("draft_lm
                                                                        "block"),
                       concurrency: Sequence[int] = (1, 2, 4, 8, 16, 32, 64),
                       repeats: int = 10, max_draft: int = 4, max_len: int = 256,
-                      prompt_len: int = 64) -> list[dict]:
+                      prompt_len: int = 64, backlog: int | None = None,
+                      steps: int | None = None) -> list[dict]:
   """Wall time of a gated-off AV step over a target-only step, per drafter and concurrency.
 
   Args:
@@ -77,23 +81,27 @@ def measure_gate_cost(models: ModelsConfig, *, kinds: Sequence[str] = ("draft_lm
     kinds: drafter kinds (`av_jax.models.KINDS`).
     concurrency: slot counts B, every slot busy.
     repeats: timed chunks per engine, interleaved target-only / AV.
-    max_draft: K (a chunk is K + 1 steps: one absorb per slot for AR drafters).
-    max_len: cache positions per slot.
+    max_draft: K.
+    max_len: cache positions per slot (>= prompt_len + steps + K + 3).
     prompt_len: tokens prefilled per slot (the context the steps attend to).
+    backlog: the AV engine's `drafter_backlog` (None: its default, 4 (K + 1); K + 1:
+      the eager catch-up).
+    steps: decode steps per timed chunk; None: the AV engine's `pending_width` (one
+      absorb of a full backlog per slot per chunk for AR drafters; K + 1 for parallel).
 
   Returns:
     One dict per (kind, B): `median_ratio` (AV / target-only, over the interleaved
     pairs), `min_ratio`, `max_ratio`, `target_only_ms` and `gated_ms` (median per step),
-    `drafted` (steps that drafted in a timed chunk: 0 when the gate held) and `goal`.
+    `drafted` (steps that drafted in a timed chunk: 0 when the gate held), `steps`,
+    `backlog` (the AV engine's `pending_width`) and `goal`.
 
   Raises:
-    ValueError: `max_len` too short for the prompt and two chunks, or `repeats` < 1.
+    ValueError: `max_len` too short for the prompt and a chunk, `repeats` or `steps` < 1.
   """
   if repeats < 1:
     raise ValueError(f"repeats: expected >= 1, got {repeats}")
-  if max_len < prompt_len + 3 * (max_draft + 1) + 2:
-    raise ValueError(f"max_len: expected >= prompt_len + 3 (max_draft + 1) + 2 = "
-                     f"{prompt_len + 3 * (max_draft + 1) + 2}, got {max_len}")
+  if steps is not None and steps < 1:
+    raise ValueError(f"steps: expected >= 1 or None, got {steps}")
   rows = []
   for kind in kinds:
     params = _params(models, kind)
@@ -101,33 +109,39 @@ def measure_gate_cost(models: ModelsConfig, *, kinds: Sequence[str] = ("draft_lm
     for B in concurrency:
       common = dict(num_slots=B, max_draft=max_draft, max_len=max_len,
                     steps_per_chunk=max_draft + 1, explore_every=1,
-                    draft_recheck_every=10**6)
+                    draft_recheck_every=10**6, drafter_backlog=backlog)
       engines = [core.make_engine(core.EngineConfig(mode=mode, **common), models, drafter)
                  for mode in ("target_only", "av")]
       if not engines[1].decider.planner.gated:
         raise ValueError(f"kinds: {kind!r} cannot skip drafting (no `absorb`)")
-      timers, infos = zip(*(_timer(e, params, _busy_state(e, params, prompt_len=prompt_len))
+      n = steps or engines[1].pending_width
+      if max_len < prompt_len + n + max_draft + 3:
+        raise ValueError(f"max_len: expected >= prompt_len + steps + max_draft + 3 = "
+                         f"{prompt_len + n + max_draft + 3}, got {max_len}")
+      timers, infos = zip(*(_timer(e, params, _busy_state(e, params, prompt_len=prompt_len), n)
                             for e in engines))
       pairs = []
       for _ in range(repeats):
         pairs.append(tuple(t() for t in timers))
       ratios = [g / t for t, g in pairs]
-      per_step = lambda i: 1e3 * statistics.median(p[i] for p in pairs) / (max_draft + 1)
+      per_step = lambda i: 1e3 * statistics.median(p[i] for p in pairs) / n
       rows.append(dict(drafter=kind, concurrency=B, median_ratio=statistics.median(ratios),
                        min_ratio=min(ratios), max_ratio=max(ratios),
                        target_only_ms=per_step(0), gated_ms=per_step(1),
                        drafted=int(np.sum(np.asarray(infos[1].drafting))),
-                       repeats=repeats, goal=GOAL))
+                       steps=n, backlog=engines[1].pending_width, repeats=repeats,
+                       goal=GOAL))
   return rows
 
 
 def format_rows(rows: Sequence[dict]) -> str:
   """A printable table of `measure_gate_cost`'s rows."""
-  lines = [f"{'drafter':>9} {'B':>4} {'target ms':>10} {'gated ms':>9} {'ratio':>6} "
-           f"{'range':>13} {'goal':>5}"]
+  lines = [f"{'drafter':>9} {'B':>4} {'steps':>5} {'backlog':>7} {'target ms':>10} "
+           f"{'gated ms':>9} {'ratio':>6} {'range':>13} {'goal':>5}"]
   for r in rows:
     ok = "ok" if r["median_ratio"] <= r["goal"] else "OVER"
-    lines.append(f"{r['drafter']:>9} {r['concurrency']:>4} {r['target_only_ms']:>10.3f} "
+    lines.append(f"{r['drafter']:>9} {r['concurrency']:>4} {r['steps']:>5} "
+                 f"{r['backlog']:>7} {r['target_only_ms']:>10.3f} "
                  f"{r['gated_ms']:>9.3f} {r['median_ratio']:>6.3f} "
                  f"{r['min_ratio']:>6.3f}-{r['max_ratio']:<6.3f} {ok:>5}")
   return "\n".join(lines)

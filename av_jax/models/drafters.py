@@ -53,7 +53,9 @@ What the arguments are (for a drafter of the user's own, served with
   the LM over the pending tokens; eagle: the head over the (hidden, token) pairs). Only the
   returned `cache` is used; `catch_up` then starts a new pending block. It is what lets the
   engine skip drafting for a drafter with a cache (`catch_up`); a drafter with a cache and
-  no `absorb` always drafts (`make_engine` keeps its skip-drafting gate off).
+  no `absorb` always drafts (`make_engine` keeps its skip-drafting gate off). `absorb` must
+  take a pending block of any width P >= K+1 (the engine's backlog, "Lazy catch-up" below)
+  and write only the first `num_pending` entries of each slot (none where it is 0).
 
 Sequence bookkeeping. The committed sequence of slot b ends with token x_n at position n
 (the last emitted token, not yet seen by the target). The state holds the committed tokens
@@ -71,6 +73,14 @@ block; when the block is full (K+1 entries) `absorb` consumes it into the cache 
 the token starts a new block. The next `draft` consumes the whole block, so it sees what
 it would have seen had it drafted at every step (tested: tests/test_drafter_catchup.py).
 Parallel drafters keep no cache: their pending block becomes the one new token.
+
+Lazy catch-up (a backlog). A state `widen`ed to P > K+1 pending columns lets a slot that
+does not draft keep up to P committed tokens (with their target hidden states) pending:
+`catch_up` then absorbs only when P are pending, and a slot that drafts again first
+absorbs its backlog (`settle`, all but the newest entry, which stays pending), so the
+absorb runs for the slots that draft, on the step they draft, and never for the tokens
+of a request that ends while it does not draft. `draft` and `commit` see K+1 columns
+(`settle`'s result; `narrow`); the engine keeps P (`EngineConfig.drafter_backlog`).
 """
 
 from __future__ import annotations
@@ -139,6 +149,80 @@ def keep_inactive(new: DrafterState, old: DrafterState, active: jax.Array) -> Dr
   return DrafterState(**{name: getattr(new, name) if name == "cache"
                          else keep(getattr(new, name), getattr(old, name))
                          for name in DrafterState._fields})
+
+
+def widen(state: DrafterState, width: int) -> DrafterState:
+  """`state` whose pending block holds up to `width` entries (zeros appended to `tokens`
+  and `hidden`): `catch_up` then absorbs only when `width` entries are pending (see the
+  module docstring, "Lazy catch-up").
+
+  Raises:
+    ValueError: `width` below the state's own pending columns.
+  """
+  have = state.tokens.shape[1]
+  if isinstance(width, bool) or not isinstance(width, int) or width < have:
+    raise ValueError(f"width: expected an int >= the state's {have} pending columns, got "
+                     f"{width!r}")
+  if width == have:
+    return state
+  pad = width - have
+  return state._replace(tokens=jnp.pad(state.tokens, [(0, 0), (0, pad)]),
+                        hidden=jnp.pad(state.hidden, [(0, 0), (0, pad), (0, 0)]))
+
+
+def narrow(state: DrafterState, width: int) -> DrafterState:
+  """The first `width` pending columns of `state` (what `draft` and `commit` take); the
+  rows with more than `width` entries pending need `settle` first."""
+  if width > state.tokens.shape[1]:
+    raise ValueError(f"width: expected <= the state's {state.tokens.shape[1]} pending "
+                     f"columns, got {width}")
+  return state._replace(tokens=state.tokens[:, :width], hidden=state.hidden[:, :width])
+
+
+def settle(drafter: Drafter, params, target_params, state: DrafterState, *,
+           width: int) -> DrafterState:
+  """`state` narrowed to `width` pending columns after absorbing any backlog: every slot
+  with more than `width` entries pending absorbs all but the newest (`Drafter.absorb`, run
+  only when some slot has a backlog), which becomes its pending block; other slots are
+  narrowed as they are. The absorb runs on the fewest columns that hold every backlog
+  (`width` x 2^i, or the state's own). The result drafts what the slot would have drafted
+  had its drafter absorbed every block as it filled (tested: tests/test_drafter_catchup.py).
+
+  Args:
+    drafter: the drafter (with `absorb` when `state` is wider than `width`).
+    params: drafter parameters.
+    target_params: target parameters.
+    state: a `widen`ed state (pending columns >= `width`).
+    width: the pending columns `draft` takes (K + 1).
+  """
+  if state.tokens.shape[1] == width:
+    return state
+  if drafter.absorb is None:
+    raise ValueError(f"drafter: {drafter.kind!r} has no `absorb`, so its state cannot hold "
+                     "a backlog")
+  over = state.num_pending > width
+  backlog = state._replace(num_pending=jnp.where(over, state.num_pending - 1, 0))
+  # The absorb runs on the fewest pending columns that hold every backlog: `width`
+  # doubled until the state's own (a slot re-checked after 12 gated-off steps absorbs 16
+  # columns, not the whole backlog width); branch 0 absorbs nothing.
+  widths, w = [], width
+  while w < state.tokens.shape[1]:
+    widths.append(w)
+    w *= 2
+  widths.append(state.tokens.shape[1])
+  need = jnp.max(backlog.num_pending)
+  branch = jnp.where(jnp.any(over),
+                     1 + jnp.searchsorted(jnp.asarray(widths), need, side="left"), 0)
+  absorb = lambda w: lambda: drafter.absorb(params, target_params, narrow(backlog, w)).cache
+  cache = jax.lax.switch(branch, [lambda: state.cache] + [absorb(w) for w in widths])
+  newest = state.num_pending - 1
+  tokens = jnp.where(over[:, None], state.tokens.at[:, 0].set(_pick(state.tokens, newest)),
+                     state.tokens)
+  hidden = jnp.where(over[:, None, None],
+                     state.hidden.at[:, 0].set(_pick(state.hidden, newest)), state.hidden)
+  return DrafterState(cache=cache, tokens=tokens[:, :width], hidden=hidden[:, :width],
+                      num_pending=jnp.where(over, 1, state.num_pending),
+                      position=jnp.where(over, state.position + newest, state.position))
 
 
 def _slot_axis(field) -> int:
@@ -227,7 +311,8 @@ def catch_up(drafter: Drafter, params, target_params, state: DrafterState, *,
   """The state after a step that emitted one target token without drafting, per slot.
 
   For the slots in `mask`, the committed `token` and the target `hidden` state that
-  predicted it join the pending block; a full block (K+1 entries) is consumed into the
+  predicted it join the pending block; a full block (K+1 entries, or the P of a `widen`ed
+  state) is consumed into the
   cache first (`Drafter.absorb`, run only when some masked slot is full; the cache is
   taken whole, as in `keep_inactive`: entries above a slot's consumed prefix are never
   read). A drafter without `absorb` (parallel, no cache) gets the one token as its

@@ -88,9 +88,10 @@ def test_the_read_pass_ignores_stale_entries_at_the_positions_it_writes():
   assert np.abs(np.asarray(a.logits) - np.asarray(c.logits)).max() > 1e-3
 
 
-def _loop_copies(engine, params, B, max_len):
-  """Copies of a target-cache-shaped array outside the entry computation of the
-  compiled chunk (the decode loop's body and what it calls)."""
+def _loop_copies(engine, params, B, max_len, field=lambda state: state.target_cache.k):
+  """Copies of an array shaped like `field(state)` (default the target cache) outside
+  the entry computation of the compiled chunk (the decode loop's body and what it
+  calls)."""
   cost = make_cost_model(np.full(B + 1, 1e6), 1.0 + 0.01 * np.arange(B * 5 + 1))
   prefill, _, init = batching.compiled(engine)
   state = init(params, key(0), cost)
@@ -98,7 +99,7 @@ def _loop_copies(engine, params, B, max_len):
     state = prefill(params, state, jnp.arange(8, dtype=jnp.int32) % 7 + 1, jnp.int32(8),
                     jnp.int32(slot), jnp.int32(max_len))
   text = jax.jit(lambda p, s: core.run_chunk(engine, p, s)).lower(params, state).compile().as_text()
-  dims = ",".join(str(d) for d in state.target_cache.k.shape)
+  dims = ",".join(str(d) for d in field(state).shape)
   pattern = re.compile(r"= f32\[(%s|%s)\]\S* copy\(" % (
       dims, dims.replace(",", ",1,", 1)))  # also the grouped [L, 1, B, ...] layout
   computation, copies = None, 0
@@ -140,3 +141,21 @@ def test_a_target_must_bring_both_verify_read_and_write():
   with pytest.raises(ValueError, match="target: expected both or neither of `verify_read`"):
     core.make_engine(core.EngineConfig(mode="av", num_slots=2), target=target,
                      drafter=drafter)
+
+
+@pytest.mark.parametrize("kind", ["eagle", "draft_lm"])
+def test_a_gated_off_step_copies_no_drafter_cache(kind):
+  """Lazy catch-up writes an autoregressive drafter's cache after the draft-bucket switch
+  (`drafters.read_window` / `write_window`): the only copies of it left in the loop are
+  the two of the whole-batch drafting branch (its draft loop's carry), none on the path
+  of a step that drafts nothing. Negative control: the eager catch-up (a backlog of
+  K + 1) returns the cache from its branches and copies it on every step (10 here)."""
+  cfg, drafter, params = pair(kind)
+  B, max_len = 4, 64
+  count = lambda backlog: _loop_copies(
+      core.make_engine(core.EngineConfig(mode="av", num_slots=B, max_draft=4,
+                                         max_len=max_len, steps_per_chunk=3,
+                                         drafter_backlog=backlog), cfg, drafter),
+      params, B, max_len, field=lambda state: state.drafter.cache.k)
+  assert count(None) <= 2
+  assert count(5) > 4

@@ -34,9 +34,11 @@ from av_jax.engine.protocols import Target
 from av_jax.estimator import EstimatorConfig, EstimatorState
 from av_jax.features import FEATURES, logit_qmax
 from av_jax.models.config import ModelsConfig
-from av_jax.models.drafters import (Drafter, DrafterState, can_skip, catch_up, insert_slot,
-                                    keep_inactive, narrow, put_slots, settle, take_slots,
-                                    widen)
+from av_jax.models import transformer
+from av_jax.models.drafters import (CacheWindow, Drafter, DrafterState, can_skip, catch_up,
+                                    insert_slot, keep_inactive, narrow, put_slots, read_window,
+                                    settle, take_slots, widen, window_start,
+                                    write_window)
 from av_jax.models.sampling import sample_tokens, sampling_probs
 from av_jax.planner import PlannerConfig, PlannerState
 from av_jax.rejection import RejectionResult, rejection_sample
@@ -862,10 +864,14 @@ def _draft_phase(engine: Engine, params: Params, state: DecodeState, key: jax.Ar
 
 
 def _scatter_drafts(engine: Engine, state: DecodeState, sub: Drafts, idx: jax.Array,
-                    keep: jax.Array, *, whole: bool) -> Drafts:
+                    keep: jax.Array, *, whole: bool, keep_state: jax.Array | None = None
+                    ) -> Drafts:
   """The drafts of E bucket rows (`idx [E]` their slots, `keep [E]` the rows that
   drafted) as `[B, ...]` drafts: slots that did not draft get placeholders and no usable
-  position, and keep their drafter state. `whole`: the rows are all B slots in order."""
+  position, and keep their drafter state unless `keep_state [E]` (default `keep`: rows
+  that only absorbed a backlog keep the settled state). `whole`: the rows are all B
+  slots in order."""
+  keep_state = keep if keep_state is None else keep_state
   cfg = engine.config
   base = _no_draft(engine, state)._replace(
       usable=jnp.zeros((cfg.num_slots, cfg.max_draft), bool))
@@ -879,8 +885,8 @@ def _scatter_drafts(engine: Engine, state: DecodeState, sub: Drafts, idx: jax.Ar
   fields = {name: put(getattr(base, name), getattr(sub, name))
             for name in ("tokens", "probs", "features", "conf", "finite", "extra", "usable",
                          "depth", "top1")}
-  drafter = (keep_inactive(sub.state, state.drafter, keep) if whole
-             else put_slots(state.drafter, sub.state, idx, keep))
+  drafter = (keep_inactive(sub.state, state.drafter, keep_state) if whole
+             else put_slots(state.drafter, sub.state, idx, keep_state))
   return Drafts(**fields, state=drafter, passes=sub.passes)
 
 
@@ -956,7 +962,7 @@ def _gated_commit_phase(engine: Engine, params: Params, state: DecodeState, draf
   active = state.active
   caught = catch_up(engine.drafter, params.drafter, params.target, drafts.state,
                     token=verdict.result.tokens[:, 0], hidden=verdict.target_hidden[:, 0],
-                    mask=active & ~slots)
+                    mask=active & ~slots, absorb=not _windowed(engine, state))
   # The drafting slots were settled (no backlog), so K + 1 columns hold their pending.
   committed = widen(engine.drafter.commit(
       narrow(drafts.state, engine.config.max_draft + 1),
@@ -1031,6 +1037,13 @@ def _decide_and_verify(engine: Engine, params: Params, state: DecodeState,
   return new_state, info
 
 
+def _windowed(engine: Engine, state: DecodeState) -> bool:
+  """The gated step absorbs full backlogs in its draft bucket and writes the drafter's
+  `KVCache` after the bucket switch (lazy catch-up with a backlog wider than K + 1)."""
+  return (isinstance(state.drafter.cache, transformer.KVCache)
+          and engine.pending_width > engine.config.max_draft + 1)
+
+
 def _gated_step(engine: Engine, params: Params, state: DecodeState, *, key: jax.Array,
                 k_draft: jax.Array, k_verify: jax.Array) -> tuple[DecodeState, StepInfo]:
   """A step under the skip-drafting gate: only the slots the decider lets draft do.
@@ -1046,33 +1059,69 @@ def _gated_step(engine: Engine, params: Params, state: DecodeState, *, key: jax.
   catch up.
   """
   cfg, decider, active = engine.config, engine.decider, state.active
-  B = cfg.num_slots
+  B, K1, width = cfg.num_slots, cfg.max_draft + 1, engine.pending_width
   decision = state.decision
   slots = decider.draft_slots(decision, active)                            # [B] bool
+  windowed = _windowed(engine, state)
+  # Lazy catch-up: a slot whose backlog is full absorbs it in this step's draft bucket
+  # (without drafting), so `catch_up` never absorbs.
+  full = (active & ~slots & (state.drafter.num_pending >= width) if windowed
+          else jnp.zeros_like(slots))
+  work = slots | full
   sizes = cfg.draft_bucket_sizes()
-  count = jnp.sum(slots, dtype=jnp.int32)
+  count = jnp.sum(work, dtype=jnp.int32)
   branch = jnp.where(count == 0, 0,
                      1 + jnp.searchsorted(jnp.asarray(sizes), count, side="left"))
-  # Drafting slots first (in slot order), then the others: a bucket's padding rows.
-  order = jnp.argsort(~slots, stable=True).astype(jnp.int32)
+  # Drafting (and absorbing) slots first (in slot order), then the others: padding rows.
+  order = jnp.argsort(~work, stable=True).astype(jnp.int32)
   decide = functools.partial(_decide_and_verify, engine, params, state, decision, key=key,
                              k_verify=k_verify, slots=slots, plan_drafting=slots)
+  # With a `KVCache` drafter cache and a backlog, the branches return the cache entries
+  # the step consumed (`read_window`: each row's `width + 1` positions from
+  # `window_start`) and the cache is written after the switch (`write_window`): a cache
+  # returned by a branch was copied whole on every step, drafting or not (XLA's copy
+  # insertion).
+  # The pending block `[B, P(, D)]` stays out of the switch too: a branch changes it only
+  # by `settle` (a settled row's newest entry moves to column 0), redone after it.
+  shell = (state._replace(drafter=state.drafter._replace(cache=None, tokens=None,
+                                                         hidden=None)) if windowed
+           else state)
 
-  def skip() -> Drafts:
-    return _no_draft(engine, state)
+  def no_writes(rows: int) -> CacheWindow | None:
+    if not windowed:
+      return None
+    c = state.drafter.cache
+    z = jnp.zeros((c.k.shape[0], rows, width + 1) + c.k.shape[3:], c.k.dtype)
+    return CacheWindow(z, z, jnp.zeros((rows,), jnp.int32),
+                       jnp.full((rows,), cfg.max_len, jnp.int32))
+
+  def skip():
+    return _no_draft(engine, shell), no_writes(B)
 
   def subset(E):
-    def run() -> Drafts:
+    def run():
       whole = E == B
       idx = jnp.arange(B, dtype=jnp.int32) if whole else order[:E]
       rows = state.drafter if whole else take_slots(state.drafter, idx)
-      keep = slots[idx]
-      # Lazy catch-up: a drafting row first absorbs its backlog (`settle`).
-      rows = settle(engine.drafter, params.drafter, params.target, rows,
-                    width=cfg.max_draft + 1)
+      keep, absorbs = slots[idx], work[idx]
+      start = rows.position
+      # Lazy catch-up: a row first absorbs its backlog (`settle`).
+      rows = settle(engine.drafter, params.drafter, params.target, rows, width=K1)
       sub = _draft(engine, params, rows, k_draft, decision, active=keep, slots=idx)
-      sub = sub._replace(state=widen(sub.state, engine.pending_width))
-      return _scatter_drafts(engine, state, sub, idx, keep, whole=whole)
+      new = widen(sub.state, width)
+      writes = None
+      if windowed:
+        w = read_window(new.cache, slot=idx,
+                        start=jnp.where(absorbs, window_start(start), cfg.max_len),
+                        width=width + 1)
+        if not whole:  # every branch returns B rows
+          pad = no_writes(B - E)
+          w = CacheWindow(*(jnp.concatenate([a, b], axis=1 if a.ndim > 1 else 0)
+                            for a, b in zip(w, pad)))
+        writes, new = w, new._replace(cache=None, tokens=None, hidden=None)
+      drafts = _scatter_drafts(engine, shell, sub._replace(state=new), idx, keep,
+                               whole=whole, keep_state=absorbs)
+      return drafts, writes
     return run
 
   # Only drafting differs by bucket (branch 0: nothing drafted); one decide-and-verify
@@ -1081,9 +1130,21 @@ def _gated_step(engine: Engine, params: Params, state: DecodeState, *, key: jax.
   # on every step (XLA's copy insertion), which made a gated-off step dearer than a
   # target-only one. Verification chooses between a plain and a packed target step in
   # its own `lax.cond` whose operand is the cache (`_verify_phase`).
-  drafts = jax.lax.switch(branch, [skip] + [subset(E) for E in sizes])
-  drafting = count > 0
-  rows = jnp.asarray((0,) + tuple(sizes), jnp.int32)[branch]
+  drafts, writes = jax.lax.switch(branch, [skip] + [subset(E) for E in sizes])
+  if windowed:
+    old = state.drafter
+    settled = work & (old.num_pending > K1)  # what `settle` did in the branch
+    newest = old.num_pending - 1
+    rows_b = jnp.arange(B)
+    first = lambda x: x.at[rows_b, 0].set(
+        jnp.where(settled.reshape((B,) + (1,) * (x.ndim - 2)), x[rows_b, newest], x[:, 0]))
+    drafts = drafts._replace(state=drafts.state._replace(
+        cache=write_window(old.cache, writes), tokens=first(old.tokens),
+        hidden=first(old.hidden)))
+  drafting = jnp.any(slots)
+  # The draft bucket that ran for drafting slots (0: none drafted; a bucket that only
+  # absorbed backlogs is not a drafting step).
+  rows = jnp.where(drafting, jnp.asarray((0,) + tuple(sizes), jnp.int32)[branch], 0)
   commit = lambda drafts, verdict: _gated_commit_phase(engine, params, state, drafts,
                                                        verdict, slots)
   return decide(drafts, drafting=drafting, rows=rows, packed=drafting, commit=commit)

@@ -145,6 +145,8 @@ def keep_inactive(new: DrafterState, old: DrafterState, active: jax.Array) -> Dr
   read (see the module docstring), so an inactive slot's cache needs no merge.
   """
   def keep(n, o):
+    if n is None:  # a field left out (the engine's gated step sets it after its switch)
+      return None
     return jnp.where(active.reshape(active.shape + (1,) * (n.ndim - 1)), n, o)
   return DrafterState(**{name: getattr(new, name) if name == "cache"
                          else keep(getattr(new, name), getattr(old, name))
@@ -214,7 +216,22 @@ def settle(drafter: Drafter, params, target_params, state: DrafterState, *,
   branch = jnp.where(jnp.any(over),
                      1 + jnp.searchsorted(jnp.asarray(widths), need, side="left"), 0)
   absorb = lambda w: lambda: drafter.absorb(params, target_params, narrow(backlog, w)).cache
-  cache = jax.lax.switch(branch, [lambda: state.cache] + [absorb(w) for w in widths])
+  if isinstance(state.cache, transformer.KVCache):
+    # The branches return the written entries (`read_window`), written after the switch:
+    # a cache returned by a branch is copied whole (XLA's copy insertion).
+    E, P, M = state.tokens.shape[0], state.tokens.shape[1], state.cache.k.shape[2]
+    slot = jnp.arange(E, dtype=jnp.int32)
+    start = jnp.where(over, window_start(state.position), M)
+    entries = lambda w: lambda: read_window(absorb(w)(), slot=slot, start=start,
+                                            width=P + 1)
+    shape = state.cache.k.shape[:2] + (P + 1,) + state.cache.k.shape[3:]
+    nothing = lambda: CacheWindow(jnp.zeros(shape, state.cache.k.dtype),
+                                  jnp.zeros(shape, state.cache.v.dtype), slot,
+                                  jnp.full((E,), M, jnp.int32))
+    cache = write_window(state.cache, jax.lax.switch(
+        branch, [nothing] + [entries(w) for w in widths]))
+  else:
+    cache = jax.lax.switch(branch, [lambda: state.cache] + [absorb(w) for w in widths])
   newest = state.num_pending - 1
   tokens = jnp.where(over[:, None], state.tokens.at[:, 0].set(_pick(state.tokens, newest)),
                      state.tokens)
@@ -223,6 +240,47 @@ def settle(drafter: Drafter, params, target_params, state: DrafterState, *,
   return DrafterState(cache=cache, tokens=tokens[:, :width], hidden=hidden[:, :width],
                       num_pending=jnp.where(over, 1, state.num_pending),
                       position=jnp.where(over, state.position + newest, state.position))
+
+
+class CacheWindow(NamedTuple):
+  """Entries of a `KVCache` drafter cache at W consecutive positions of E rows: what a
+  branch of the engine's gated step returns instead of the cache (`read_window`), written
+  after the branch (`write_window`), so the cache is never a conditional's output (XLA
+  copied such a cache whole on every step, also on steps that did not draft)."""
+  k: jax.Array      # [L, E, W, H, Dh]
+  v: jax.Array      # [L, E, W, H, Dh]
+  slot: jax.Array   # [E] int32, the slot each row writes
+  start: jax.Array  # [E] int32, the position of entry 0; >= M: the row writes nothing
+
+
+def window_start(position: jax.Array) -> jax.Array:
+  """The first cache position a slot's pending block of `P` entries at sequence `position`
+  writes, for every `KVCache` drafter: `draft_lm` writes positions `position + j`, the
+  EAGLE head `position - 1 + j` (see `_make_eagle`), so a window of `P + 1` entries from
+  here holds either."""
+  return jnp.maximum(jnp.asarray(position, jnp.int32) - 1, 0)
+
+
+def read_window(cache: transformer.KVCache, *, slot: jax.Array, start: jax.Array,
+                width: int) -> CacheWindow:
+  """The entries of `cache` rows `[E]` (its own row order) at positions `start + j`,
+  `j < width`, to be written to slots `slot [E]` (rows with `start >= M` write none)."""
+  M = cache.k.shape[2]
+  rows = jnp.arange(start.shape[0])[:, None]
+  pos = jnp.clip(start[:, None] + jnp.arange(width)[None], 0, M - 1)
+  return CacheWindow(cache.k[:, rows, pos], cache.v[:, rows, pos],
+                     jnp.asarray(slot, jnp.int32), jnp.asarray(start, jnp.int32))
+
+
+def write_window(cache: transformer.KVCache, window: CacheWindow) -> transformer.KVCache:
+  """`cache` with `window`'s entries written (positions >= M dropped)."""
+  M, W = cache.k.shape[2], window.k.shape[2]
+  pos = window.start[:, None] + jnp.arange(W)[None]
+  pos = jnp.where(pos < M, pos, M)
+  slot = window.slot[:, None]
+  return transformer.KVCache(
+      cache.k.at[:, slot, pos].set(window.k.astype(cache.k.dtype), mode="drop"),
+      cache.v.at[:, slot, pos].set(window.v.astype(cache.v.dtype), mode="drop"))
 
 
 def _slot_axis(field) -> int:
@@ -307,7 +365,7 @@ def can_skip(drafter: Drafter) -> bool:
 
 def catch_up(drafter: Drafter, params, target_params, state: DrafterState, *,
              token: jax.typing.ArrayLike, hidden: jax.typing.ArrayLike,
-             mask: jax.typing.ArrayLike) -> DrafterState:
+             mask: jax.typing.ArrayLike, absorb: bool = True) -> DrafterState:
   """The state after a step that emitted one target token without drafting, per slot.
 
   For the slots in `mask`, the committed `token` and the target `hidden` state that
@@ -328,6 +386,9 @@ def catch_up(drafter: Drafter, params, target_params, state: DrafterState, *,
     hidden: `[B, D]` target hidden state of the base token (the one that predicted
       `token`).
     mask: `[B]` bool, the slots that emitted without drafting.
+    absorb: False: the caller guarantees that no slot in `mask` has a full block (the
+      engine's lazy catch-up absorbs full backlogs in its draft bucket, `settle`), and no
+      absorb is compiled in.
 
   Returns:
     The caught-up `DrafterState`.
@@ -350,6 +411,9 @@ def catch_up(drafter: Drafter, params, target_params, state: DrafterState, *,
   _checks.shape("mask", mask, (B,), "B")
   if drafter.absorb is None:
     full = jnp.ones((B,), bool)  # no cache: the block restarts at every token
+    cache = state.cache
+  elif not absorb:
+    full = jnp.zeros((B,), bool)
     cache = state.cache
   else:
     full = state.num_pending >= width

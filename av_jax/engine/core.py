@@ -1064,7 +1064,8 @@ def _gated_step(engine: Engine, params: Params, state: DecodeState, *, key: jax.
   slots = decider.draft_slots(decision, active)                            # [B] bool
   windowed = _windowed(engine, state)
   # Lazy catch-up: a slot whose backlog is full absorbs it in this step's draft bucket
-  # (without drafting), so `catch_up` never absorbs.
+  # (without drafting), so `catch_up` never absorbs; on a step that drafts for no slot
+  # the full backlogs are absorbed by their own branch (`absorb_only`: no drafter pass).
   full = (active & ~slots & (state.drafter.num_pending >= width) if windowed
           else jnp.zeros_like(slots))
   work = slots | full
@@ -1130,7 +1131,37 @@ def _gated_step(engine: Engine, params: Params, state: DecodeState, *, key: jax.
   # on every step (XLA's copy insertion), which made a gated-off step dearer than a
   # target-only one. Verification chooses between a plain and a packed target step in
   # its own `lax.cond` whose operand is the cache (`_verify_phase`).
-  drafts, writes = jax.lax.switch(branch, [skip] + [subset(E) for E in sizes])
+  def absorb_only(E):
+    # The full backlogs gathered into E rows (all B when E = B): one absorb, no drafter
+    # pass; only the full rows keep it (the entries of the others are not written).
+    def run():
+      old, whole = state.drafter, E == B
+      idx = jnp.arange(B, dtype=jnp.int32) if whole else order[:E]
+      rows, w = settle(engine.drafter, params.drafter, params.target,
+                       old if whole else take_slots(old, idx), width=K1, window=True)
+      keep = full[idx]
+      w = w._replace(slot=idx, start=jnp.where(keep, w.start, cfg.max_len))
+      if not whole:
+        pad = no_writes(B - E)
+        w = CacheWindow(*(jnp.concatenate([a, b], axis=1 if a.ndim > 1 else 0)
+                          for a, b in zip(w, pad)))
+      put = lambda new, was: was.at[idx].set(jnp.where(keep, new, was[idx]))
+      drafts = _no_draft(engine, shell)
+      return drafts._replace(state=drafts.state._replace(
+          num_pending=put(rows.num_pending, old.num_pending),
+          position=put(rows.position, old.position))), w
+    return run
+
+  # A step that drafts for no slot and has full backlogs absorbs them in the smallest
+  # bucket (up to `sizes[0]` full rows) or over the whole batch.
+  absorbers = sorted({sizes[0], B}) if windowed else []
+  if windowed:
+    nfull = jnp.sum(full, dtype=jnp.int32)
+    branch = jnp.where(jnp.any(full) & ~jnp.any(slots),
+                       1 + len(sizes) + (nfull > sizes[0]).astype(jnp.int32)
+                       * (len(absorbers) - 1), branch)
+  drafts, writes = jax.lax.switch(branch, [skip] + [subset(E) for E in sizes]
+                                  + [absorb_only(E) for E in absorbers])
   if windowed:
     old = state.drafter
     settled = work & (old.num_pending > K1)  # what `settle` did in the branch

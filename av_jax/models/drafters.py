@@ -182,7 +182,7 @@ def narrow(state: DrafterState, width: int) -> DrafterState:
 
 
 def settle(drafter: Drafter, params, target_params, state: DrafterState, *,
-           width: int) -> DrafterState:
+           width: int, window: bool = False):
   """`state` narrowed to `width` pending columns after absorbing any backlog: every slot
   with more than `width` entries pending absorbs all but the newest (`Drafter.absorb`, run
   only when some slot has a backlog), which becomes its pending block; other slots are
@@ -196,8 +196,16 @@ def settle(drafter: Drafter, params, target_params, state: DrafterState, *,
     target_params: target parameters.
     state: a `widen`ed state (pending columns >= `width`).
     width: the pending columns `draft` takes (K + 1).
+    window: (a `KVCache` cache only) return `(state, CacheWindow)`: the state with its
+      cache as it was and the entries the absorb wrote (`write_window` writes them).
   """
+  if window and not isinstance(state.cache, transformer.KVCache):
+    raise ValueError(f"window: expected a KVCache drafter cache, got {type(state.cache)}")
   if state.tokens.shape[1] == width:
+    if window:
+      return state, read_window(state.cache, slot=jnp.arange(state.tokens.shape[0]),
+                                start=jnp.full(state.position.shape, state.cache.k.shape[2]),
+                                width=width + 1)
     return state
   if drafter.absorb is None:
     raise ValueError(f"drafter: {drafter.kind!r} has no `absorb`, so its state cannot hold "
@@ -228,8 +236,8 @@ def settle(drafter: Drafter, params, target_params, state: DrafterState, *,
     nothing = lambda: CacheWindow(jnp.zeros(shape, state.cache.k.dtype),
                                   jnp.zeros(shape, state.cache.v.dtype), slot,
                                   jnp.full((E,), M, jnp.int32))
-    cache = write_window(state.cache, jax.lax.switch(
-        branch, [nothing] + [entries(w) for w in widths]))
+    written = jax.lax.switch(branch, [nothing] + [entries(w) for w in widths])
+    cache = state.cache if window else write_window(state.cache, written)
   else:
     cache = jax.lax.switch(branch, [lambda: state.cache] + [absorb(w) for w in widths])
   newest = state.num_pending - 1
@@ -237,9 +245,10 @@ def settle(drafter: Drafter, params, target_params, state: DrafterState, *,
                      state.tokens)
   hidden = jnp.where(over[:, None, None],
                      state.hidden.at[:, 0].set(_pick(state.hidden, newest)), state.hidden)
-  return DrafterState(cache=cache, tokens=tokens[:, :width], hidden=hidden[:, :width],
-                      num_pending=jnp.where(over, 1, state.num_pending),
-                      position=jnp.where(over, state.position + newest, state.position))
+  settled = DrafterState(cache=cache, tokens=tokens[:, :width], hidden=hidden[:, :width],
+                         num_pending=jnp.where(over, 1, state.num_pending),
+                         position=jnp.where(over, state.position + newest, state.position))
+  return (settled, written) if window else settled
 
 
 class CacheWindow(NamedTuple):

@@ -294,3 +294,42 @@ def test_a_new_request_starts_with_the_batch_view():
   # Alone in the batch: drafting is tried.
   alone = core._fresh_verdict(base, jnp.int32(0), B, jnp.zeros((B,), bool))
   assert bool(alone.slot_pays[0]) and np.isinf(alone.pay_margin[0])
+
+
+@pytest.mark.parametrize("last", [False, True])
+def test_a_burst_into_an_idle_batch_follows_the_last_verdict(last):
+  """Beside active requests none of which is judged yet (margin +inf: a burst of
+  admissions into an idle batch), an untried slot is no evidence: the batch's last
+  verdict (`drafting_pays`) decides. Negative control: following the untried slot (the
+  rule before) opened every slot of a burst although nothing had paid before."""
+  B = 4
+  base = core.PlannerState(budget=jnp.int32(0), step=jnp.int32(0),
+                           drafting_pays=jnp.asarray(last),
+                           slot_pays=jnp.asarray([True, False, False, False]),
+                           pay_margin=jnp.asarray([np.inf, -0.5, -0.5, -0.5], jnp.float32))
+  active = jnp.asarray([True, False, False, False])  # slot 0 admitted, untried
+  state = core._fresh_verdict(base, jnp.int32(1), B, active)
+  assert bool(state.slot_pays[1]) == last
+  assert float(state.pay_margin[1]) == (np.inf if last else 0.0)
+  # The next admission sees slot 1: judged-as-waiting (margin 0) when closed.
+  state = core._fresh_verdict(state, jnp.int32(2), B, active.at[1].set(True))
+  assert bool(state.slot_pays[2]) == last
+
+
+def test_a_burst_into_an_idle_batch_drafts_for_one_slot_when_nothing_paid():
+  """End to end: after a run in which no slot's drafts paid, B requests admitted into
+  the idle batch at once draft for one slot only on their first step (the first one
+  admitted, alone in the batch when it came); the others wait for a re-check."""
+  engine, params = _engine("block", num_slots=4)
+  B, K = engine.config.num_slots, engine.config.max_draft
+  prefill, _, init = G.compiled(engine)
+  state = init(params, fx.key(0), _cost(B, K, 100.0))
+  closed = state.planner._replace(slot_pays=jnp.zeros((B,), bool),
+                                  pay_margin=jnp.full((B,), -0.5, jnp.float32),
+                                  drafting_pays=jnp.asarray(False))
+  state = state._replace(planner=closed)
+  prompt = jnp.asarray([3, 1, 4, 1, 5, 0, 0, 0], jnp.int32)
+  for slot in range(B):
+    state = prefill(params, state, prompt, jnp.int32(5), jnp.int32(slot), jnp.int32(8))
+  np.testing.assert_array_equal(
+      engine.decider.draft_slots(state.decision, state.active), np.arange(B) == 0)

@@ -52,6 +52,11 @@ STOPS = ("none", "survival", "confidence")
 _MAX_MARGIN = 4.0
 DRAFTER_KINDS = ("autoregressive", "parallel")
 
+# `PlannerState.pay_margin` of a slot gated off at admission on the batch's view and not
+# yet judged on its own drafts (below the clip range, so no judgement produces it): it
+# reopens as soon as some slot's drafts are found to pay (`_gate_update`).
+WAITING = -2.0
+
 # The lagged policy's first step verifies everything: a budget above any B * K. It stays
 # in the state; `Plan.budget` reports it clamped to B * K.
 _ALL = 2**30
@@ -140,7 +145,8 @@ class PlannerState(NamedTuple):
   # [] int32, re-check steps so far (advances the round-robin re-check group).
   recheck_count: jax.Array | None = None
   # [B] (or [1]) float32, each slot's smoothed relative pay margin (> 0: its drafts pay;
-  # `slot_pays` is its sign); +inf until the slot is first judged (never NaN).
+  # `slot_pays` is its sign); +inf until the slot is first judged, `WAITING` for a slot
+  # gated off at admission and not judged since (never NaN).
   pay_margin: jax.Array | None = None
   # [] int32, survival stop's batch depth cap for this step (pass pricing,
   # `stopping.next_depth_cap`), from earlier steps only; 0: no cap.
@@ -604,11 +610,20 @@ def make_planner(
     a = jnp.float32(config.pay_smoothing)
     margin = jnp.where(judged, jnp.where(fresh, m, (1.0 - a) * prior + a * m), prior)
     slot_pays = jnp.where(judged, margin > 0, pays_before)
+    found = jnp.any(judged & slot_pays)
+    if pays_before.shape[0] > 1 or planned.shape[0] == 1:
+      # Slots gated off at admission on the batch's view (no evidence of their own)
+      # follow it when it changes: once some slot's drafts pay they try drafting at
+      # their next step (judged afresh there) instead of waiting for their re-check
+      # group, up to B / E re-checks later (a burst admitted into an idle batch after
+      # a stretch where nothing paid).
+      waiting = ~judged & (prior == WAITING)
+      slot_pays = slot_pays | (found & waiting)
+      margin = jnp.where(found & waiting, jnp.inf, margin)
     # Back-off: a re-check step on which some slot drafted either found a slot whose
     # drafts pay (the interval resets) or not (it doubles, capped); one on which no slot
     # drafted does not count (the next exploration step re-checks).
     counted = rechecking(state) & (d > 0)
-    found = jnp.any(judged & slot_pays)
     interval = jnp.where(found, jnp.int32(recheck_every),
                          jnp.minimum(2 * state.recheck_interval, max_recheck_every))
     interval = jnp.where(counted, interval, state.recheck_interval).astype(jnp.int32)

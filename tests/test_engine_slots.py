@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from av_jax import engine as E
+from av_jax import planner as planner_lib
 from av_jax.decision import Decider
 from av_jax.engine import batching as G
 from av_jax.engine import core
@@ -287,7 +288,7 @@ def test_a_new_request_starts_with_the_batch_view():
   active = jnp.asarray([True, True, False, False])  # slot 2 (paying) is idle
   closed = core._fresh_verdict(base, jnp.int32(3), B, active)
   np.testing.assert_array_equal(closed.slot_pays, [False, False, True, False])
-  np.testing.assert_allclose(closed.pay_margin, [-0.5, -0.5, 0.7, 0.0])
+  np.testing.assert_allclose(closed.pay_margin, [-0.5, -0.5, 0.7, planner_lib.WAITING])
   opened = core._fresh_verdict(base, jnp.int32(3), B, active.at[2].set(True))
   np.testing.assert_array_equal(opened.slot_pays, [False, False, True, True])
   assert np.isinf(opened.pay_margin[3])
@@ -310,8 +311,8 @@ def test_a_burst_into_an_idle_batch_follows_the_last_verdict(last):
   active = jnp.asarray([True, False, False, False])  # slot 0 admitted, untried
   state = core._fresh_verdict(base, jnp.int32(1), B, active)
   assert bool(state.slot_pays[1]) == last
-  assert float(state.pay_margin[1]) == (np.inf if last else 0.0)
-  # The next admission sees slot 1: judged-as-waiting (margin 0) when closed.
+  assert float(state.pay_margin[1]) == (np.inf if last else planner_lib.WAITING)
+  # The next admission sees slot 1: waiting counts as not paying.
   state = core._fresh_verdict(state, jnp.int32(2), B, active.at[1].set(True))
   assert bool(state.slot_pays[2]) == last
 

@@ -189,6 +189,30 @@ def test_a_lone_rechecked_slot_is_judged_as_if_every_slot_drafted_like_it():
   assert np.asarray(everyone.slot_pays).all() == bool(batch.slot_pays[0]) == True
 
 
+@pytest.mark.parametrize("pays", [True, False])
+def test_slots_waiting_since_admission_reopen_when_a_slot_pays(pays):
+  """Slots gated off at admission on the batch's view (margin `WAITING`) follow it when
+  some slot's drafts are found to pay: they draft at the next step (margin +inf, judged
+  afresh then). A slot judged not paying on its own drafts (margin -0.5) stays closed;
+  when the drafting slot does not pay, nothing reopens (the negative control)."""
+  planner = _planner()
+  cost = (av_jax.make_cost_model(np.full(B + 1, 0.5), 1.0 + 0.002 * np.arange(B * (K + 1) + 1))
+          if pays else _dear_cost())
+  probs = jnp.full((B, K), 0.9 if pays else 0.05, jnp.float32)
+  active = jnp.ones((B,), bool)
+  lone = jnp.arange(B) == 0
+  margin = jnp.full((B,), av_jax.planner.WAITING, jnp.float32).at[0].set(jnp.inf).at[1].set(-0.5)
+  state = planner.init(B)._replace(step=jnp.int32(1), slot_pays=lone, pay_margin=margin)
+  _, new = planner.plan(state, probs, cost, active=active, drafting=lone, sound=lone)
+  assert bool(new.slot_pays[0]) == pays and not bool(new.slot_pays[1])
+  waiting = np.arange(B) >= 2
+  np.testing.assert_array_equal(np.asarray(new.slot_pays)[waiting], pays)
+  np.testing.assert_array_equal(np.isinf(np.asarray(new.pay_margin)[waiting]), pays)
+  np.testing.assert_array_equal(
+      np.asarray(planner.draft_slots(new._replace(step=jnp.int32(2)), active)),
+      np.where(waiting | lone, pays, False))
+
+
 def test_a_lagged_budget_does_not_close_the_slots_it_starves():
   """Under the lagged policy the step verifies what the previous step's budget allows.
   A budget from a step on which one slot drafted (here 1 position) leaves most of a

@@ -40,7 +40,7 @@ from av_jax.models.drafters import (CacheWindow, Drafter, DrafterState, can_skip
                                     settle, take_slots, widen, window_start,
                                     write_window)
 from av_jax.models.sampling import sample_tokens, sampling_probs
-from av_jax.planner import PlannerConfig, PlannerState
+from av_jax.planner import WAITING, PlannerConfig, PlannerState
 from av_jax.rejection import RejectionResult, rejection_sample
 from av_jax.sampling import Sampling, sampling_log_probs
 from av_jax.selection import CostModel, linear_cost_model
@@ -492,9 +492,9 @@ def _fresh_verdict(planner: PlannerState, slot: jax.Array, num_slots: int,
   `max_recheck_every` steps later). It starts with the batch's current view: drafting
   is tried (verdict True, margin +inf: judged afresh at its first drafting step) when
   drafting pays for some other active slot judged on its own drafts, or when no other
-  slot is active; otherwise it starts gated off (margin 0) and waits for a re-check like
-  the others, so a large batch where nothing pays does not pay a drafting step for every
-  admission (block at B = 64 on this CPU drafted on 38% of steps that way). Beside
+  slot is active; otherwise it starts gated off (margin `WAITING`) and waits, like the
+  others, for a re-check or for some slot's drafts to pay (the planner then reopens it),
+  so a large batch where nothing pays does not pay a drafting step for every admission (block at B = 64 on this CPU drafted on 38% of steps that way). Beside
   active slots none of which has been judged yet (a burst of admissions into an idle
   batch) the batch's last verdict decides (`PlannerState.drafting_pays`, True before any
   step): an untried slot is no evidence, and following it made every slot of a burst try
@@ -509,7 +509,8 @@ def _fresh_verdict(planner: PlannerState, slot: jax.Array, num_slots: int,
   fresh = (jnp.any(judged & pays) | ~jnp.any(others)
            | (~jnp.any(judged) & jnp.reshape(last, ())))
   return planner._replace(slot_pays=pays.at[slot].set(fresh),
-                          pay_margin=margin.at[slot].set(jnp.where(fresh, jnp.inf, 0.0)))
+                          pay_margin=margin.at[slot].set(jnp.where(fresh, jnp.inf,
+                                                                   WAITING)))
 
 
 def group_cache(engine: Engine, cache: Any) -> Any:

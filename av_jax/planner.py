@@ -544,7 +544,7 @@ def make_planner(
                                depth_cap=jnp.asarray(depth_cap, jnp.int32))
     if gated:
       new_state = _gate_update(state, new_state, pays_before, planned, judge, surv, cost,
-                               R=R, d=d, drafted=drafted)
+                               R=R, d=d, drafted=drafted, live=live)
     mask = (mask | explored[:, None]) & drafting[:, None]
     if drafted is not None:  # verify only what was drafted (a prefix per slot)
       mask = mask & drafted
@@ -555,7 +555,7 @@ def make_planner(
     return plan_, new_state
 
   def _gate_update(state, new_state, pays_before, planned, mask, surv, cost, *, R, d,
-                   drafted=None):
+                   drafted=None, live=None):
     """The gate's state after a step: per-slot verdicts and the re-check back-off.
 
     Slot b of D (active, drafted) is judged on the counterfactual step in which every
@@ -610,6 +610,36 @@ def make_planner(
     a = jnp.float32(config.pay_smoothing)
     margin = jnp.where(judged, jnp.where(fresh, m, (1.0 - a) * prior + a * m), prior)
     slot_pays = jnp.where(judged, margin > 0, pays_before)
+    if pays_before.shape[0] > 1 or planned.shape[0] == 1:
+      # The group check. A slot is judged as if every active slot drafted like it, but
+      # only the slots that pay draft: the drafter pass is shared by that group alone.
+      # When the group of this step's drafting slots that pay does not pay as a group on
+      # the step it would run (its gain against f draft_cost(|P|) + verify_cost(R + n_P),
+      # f from its deepest drafted depth), either every active slot already drafted (the
+      # group cannot grow: it closes) or the other active slots try drafting at the next
+      # step (judged afresh there), so a group that pays only when more slots join it
+      # finds them (a lone re-checked slot under a weight-bound drafter), and one that
+      # does not (math requests beside code requests on a compute-bound device) closes.
+      P = judged & slot_pays
+      own_b = jnp.broadcast_to(own, P.shape)
+      group_share = jnp.max(jnp.where(P, own_b, 0.0))
+      n_P = jnp.sum(jnp.where(P, n_b, 0), dtype=jnp.int32)
+      group_cost = (group_share * cost.draft_cost(jnp.sum(P, dtype=jnp.int32))
+                    + cost.verify_cost(jnp.minimum(R + n_P, cost.verify_ms.shape[0] - 1)))
+      # Each slot's gain as its smoothed margin says (the per-slot rule solved for g_b
+      # at this step's costs), so one unlucky step does not close a group whose drafts
+      # pay on average; this step's g_b where drafting was free.
+      spent = step_cost - base
+      g_smooth = jnp.where(spent > 0, (margin + 1.0) * spent / base, g)
+      group_pays = (R + jnp.sum(jnp.where(P, g_smooth, 0.0))) * base > R * group_cost
+      fails = jnp.any(P) & ~group_pays
+      everyone = d >= jnp.sum(live, dtype=jnp.int32)
+      close = fails & everyone & P
+      slot_pays = slot_pays & ~close
+      margin = jnp.where(close, jnp.minimum(margin, 0.0), margin)
+      retry = fails & ~everyone & live & ~planned & ~slot_pays
+      slot_pays = slot_pays | retry
+      margin = jnp.where(retry, jnp.inf, margin)
     found = jnp.any(judged & slot_pays)
     if pays_before.shape[0] > 1 or planned.shape[0] == 1:
       # Slots gated off at admission on the batch's view (no evidence of their own)

@@ -160,8 +160,9 @@ def test_a_lone_rechecked_slot_is_judged_as_if_every_slot_drafted_like_it():
   """A weight-bound drafter (one pass costs the same for 1 row as for 8) and nearly free
   verification: drafting pays when the whole batch drafts, but a lone re-checked slot
   would carry the whole pass on the step that ran. The counterfactual rule judges it as
-  if all R active slots drafted like it, so it opens (the others follow on their own
-  re-checks); the step-as-it-ran rule, the negative control, keeps it closed."""
+  if all R active slots drafted like it, so it stays open and, since alone it does not
+  pay as a group, the other active slots try drafting at the next step (the group
+  check); the step-as-it-ran rule, the negative control, keeps it closed."""
   planner = _planner()
   cost = av_jax.make_cost_model(np.full(B + 1, 0.5), 1.0 + 0.002 * np.arange(B * (K + 1) + 1))
   probs = jnp.full((B, K), 0.9, jnp.float32)
@@ -174,7 +175,8 @@ def test_a_lone_rechecked_slot_is_judged_as_if_every_slot_drafted_like_it():
   want = _margins(probs, cost, active, lone)
   np.testing.assert_allclose(float(new.pay_margin[2]), want[2], rtol=1e-5)
   assert bool(new.slot_pays[2]) and want[2] > 0
-  np.testing.assert_array_equal(np.asarray(new.slot_pays)[~np.asarray(lone)], False)
+  np.testing.assert_array_equal(np.asarray(new.slot_pays), True)  # the others re-tried
+  assert np.isposinf(np.asarray(new.pay_margin)[~np.asarray(lone)]).all()
   # Negative control: the step that ran (draft_cost(1) + verify_cost(R + K)) charged to
   # the one slot does not pay.
   g = float(np.cumprod(np.full(K, 0.9)).sum())
@@ -196,7 +198,7 @@ def test_slots_waiting_since_admission_reopen_when_a_slot_pays(pays):
   afresh then). A slot judged not paying on its own drafts (margin -0.5) stays closed;
   when the drafting slot does not pay, nothing reopens (the negative control)."""
   planner = _planner()
-  cost = (av_jax.make_cost_model(np.full(B + 1, 0.5), 1.0 + 0.002 * np.arange(B * (K + 1) + 1))
+  cost = (av_jax.make_cost_model(np.full(B + 1, 0.05), 1.0 + 0.002 * np.arange(B * (K + 1) + 1))
           if pays else _dear_cost())
   probs = jnp.full((B, K), 0.9 if pays else 0.05, jnp.float32)
   active = jnp.ones((B,), bool)
@@ -211,6 +213,45 @@ def test_slots_waiting_since_admission_reopen_when_a_slot_pays(pays):
   np.testing.assert_array_equal(
       np.asarray(planner.draft_slots(new._replace(step=jnp.int32(2)), active)),
       np.where(waiting | lone, pays, False))
+
+
+def _heavy_pass_cost(B=B, K=K):
+  """A drafter pass that costs about the same for 1 row as for 8 and twice a target step
+  (weight-bound and dear), verification linear in tokens."""
+  return av_jax.make_cost_model(2.0 + 0.01 * np.arange(B + 1),
+                                1.0 + 0.01 * np.arange(B * (K + 1) + 1))
+
+
+def test_a_paying_group_that_does_not_pay_together_closes():
+  """Two slots with good drafts beside six with bad ones, a dear weight-bound drafter
+  pass: judged as if every slot drafted like them the good slots pay (the negative
+  control: the per-slot rule alone keeps them open), but the two alone do not earn the
+  pass they share. Drafting alone, they stay open and the other slots try drafting at the
+  next step; with every active slot drafting and the group still not paying, all close."""
+  planner, cost = _planner(), _heavy_pass_cost()
+  probs = _half_probs(0.9, 0.05)
+  probs = jnp.where(jnp.arange(B)[:, None] < 2, probs, 0.05)  # slots 0, 1 good
+  active = jnp.ones((B,), bool)
+  good = np.arange(B) < 2
+  m = _margins(probs, cost, active, np.ones(B, bool))
+  assert (m[good] > 0).all() and (m[~good] < 0).all()  # the per-slot rule: good ones pay
+  pair = jnp.asarray(good)
+  state = planner.init(B)._replace(
+      step=jnp.int32(1), slot_pays=pair,
+      pay_margin=jnp.where(pair, jnp.inf, -0.5).astype(jnp.float32))
+  _, state = planner.plan(state, probs, cost, active=active, drafting=pair)
+  np.testing.assert_array_equal(np.asarray(state.slot_pays), True)  # expansion
+  np.testing.assert_array_equal(np.isposinf(np.asarray(state.pay_margin)), ~good)
+  state = state._replace(step=jnp.int32(2))
+  drafting = planner.draft_slots(state, active)
+  np.testing.assert_array_equal(np.asarray(drafting), True)
+  _, state = planner.plan(state, probs, cost, active=active, drafting=drafting)
+  np.testing.assert_array_equal(np.asarray(state.slot_pays), False)
+  assert not bool(state.drafting_pays)
+  # A cheap pass: the same two slots pay together and stay open, the rest close.
+  _, cheap = planner.plan(planner.init(B)._replace(step=jnp.int32(1)), probs, _step_cost(),
+                          active=active, drafting=active)
+  np.testing.assert_array_equal(np.asarray(cheap.slot_pays), good)
 
 
 def test_a_lagged_budget_does_not_close_the_slots_it_starves():

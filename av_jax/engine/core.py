@@ -522,7 +522,7 @@ def group_cache(engine: Engine, cache: Any) -> Any:
 
 def verify_forward(engine: Engine, target_params, cache: Any, *,
                    tokens: jax.Array, slot: jax.Array, positions: jax.Array,
-                   valid: jax.Array, read: bool = False):
+                   valid: jax.Array, read: bool = False, width: int | None = None):
   """The verify program of one bucket: each group's packed forward and sampling probs.
 
   Each group runs `engine.target.verify` (`av_jax.engine.protocols.Target`) on its T_g
@@ -539,6 +539,8 @@ def verify_forward(engine: Engine, target_params, cache: Any, *,
     valid: `[G, T_g]` bool, False for padding.
 
     read: run `target.verify_read` (the cache only read) instead of `verify`.
+    width: the most valid tokens of one slot (default K + 1), passed on as `slot_width`
+      to a `verify_read` that takes it (`Target.verify_read_width`), capped at T_g.
 
   Returns:
     `(probs [G, T_g, V], hidden [G, T_g, D], cache)`: the target's sampling distribution
@@ -551,9 +553,14 @@ def verify_forward(engine: Engine, target_params, cache: Any, *,
   run = target.verify_read if read else target.verify
   out_a = 0 if read else a
 
+  extra = {}
+  if read and target.verify_read_width:
+    extra = dict(slot_width=min(cfg.max_draft + 1 if width is None else width,
+                                tokens.shape[-1]))
+
   def one(cache, tokens, slot, positions, valid):
     logits, hidden, cache = run(target_params, cache, tokens=tokens, slot=slot,
-                                positions=positions, valid=valid)
+                                positions=positions, valid=valid, **extra)
     probs = sampling_probs(logits, temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p)
     return probs, hidden, cache
 
@@ -838,7 +845,7 @@ def _plain_pass(engine: Engine, target_params, cache, *, base, position, active)
   run = lambda cache: verify_forward(
       engine, target_params, group_cache(engine, cache), tokens=grouped(base),
       slot=grouped(jnp.tile(jnp.arange(B // G, dtype=jnp.int32), G)),
-      positions=grouped(position), valid=grouped(active), read=read)
+      positions=grouped(position), valid=grouped(active), read=read, width=1)
   if not read:
     probs, hidden, out = run(cache)
     return probs.reshape(B, -1), hidden.reshape(B, -1), protocols.ungroup_cache(target, out)

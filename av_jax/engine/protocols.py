@@ -79,6 +79,9 @@ class Target(NamedTuple):
   write: Callable | None = None        # (cache, writes, *, slot [N], positions [N],
                                        #  valid [N]) -> cache with the valid entries written
   write_axis: int = 0   # the token axis of every `writes` leaf
+  # `verify_read` takes `slot_width=W` (static): the pass holds at most W valid tokens
+  # per slot (the engine's K + 1), e.g. to attend per slot instead of per token.
+  verify_read_width: bool = False
 
 
 def prefill_with_verify(target: Target, params, cache, *, tokens: jax.Array,
@@ -138,10 +141,10 @@ def transformer_target(models: ModelsConfig) -> Target:
                               valid=valid[None])
     return TargetOutput(out.logits[0], out.hidden[0], out.cache)
 
-  def verify_read(params, cache, *, tokens, slot, positions, valid):
+  def verify_read(params, cache, *, tokens, slot, positions, valid, slot_width=None):
     out, writes = transformer.forward_packed_read(params, tokens, slot=slot,
                                                   positions=positions, valid=valid,
-                                                  cache=cache, cfg=cfg)
+                                                  cache=cache, cfg=cfg, slot_width=slot_width)
     return out.logits, out.hidden, writes
 
   def write(cache, writes, *, slot, positions, valid):
@@ -151,4 +154,4 @@ def transformer_target(models: ModelsConfig) -> Target:
   name = "av_jax.transformer " + json.dumps(dataclasses.asdict(cfg), sort_keys=True)
   return Target(name=name, vocab_size=cfg.vocab_size, hidden_size=cfg.d_model,
                 init_cache=init_cache, verify=verify, prefill=prefill, slot_axis=1,
-                verify_read=verify_read, write=write, write_axis=1)
+                verify_read=verify_read, write=write, write_axis=1, verify_read_width=True)

@@ -494,7 +494,8 @@ def _fresh_verdict(planner: PlannerState, slot: jax.Array, num_slots: int,
   drafting pays for some other active slot judged on its own drafts, or when no other
   slot is active; otherwise it starts gated off (margin `WAITING`) and waits, like the
   others, for a re-check or for some slot's drafts to pay (the planner then reopens it),
-  so a large batch where nothing pays does not pay a drafting step for every admission (block at B = 64 on this CPU drafted on 38% of steps that way). Beside
+  so a large batch where nothing pays does not pay a drafting step for every admission
+  (block at B = 64 on this CPU drafted on 38% of steps that way). Beside
   active slots none of which has been judged yet (a burst of admissions into an idle
   batch) the batch's last verdict decides (`PlannerState.drafting_pays`, True before any
   step): an untried slot is no evidence, and following it made every slot of a burst try

@@ -29,6 +29,9 @@ them re-ordered, N >= T). With them the engine writes the cache after its bucket
 in place; without them each bucket's `verify` writes it, and XLA copies the whole cache
 once per step of an engine whose steps choose between programs (the skip-drafting gate).
 
+With `verify_read_width` the engine also passes `slot_width=W` to `verify_read`: at
+most W valid tokens of one slot are in the pass (av_jax's transformer then attends
+per slot and reads each slot's cache once).
 `prefill` runs a prompt of P (a static bucket) tokens at positions 0..P-1 into a fresh
 one-slot cache (`init_cache(1, max_len)`); positions where `valid` is False are padding
 after the prompt. Without one (None) the engine prefills with `verify` (slot 0).

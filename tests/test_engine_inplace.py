@@ -31,9 +31,11 @@ def _random_cache(cfg, batch, max_len, seed):
   return T.KVCache(*(jnp.asarray(r.normal(size=shape), jnp.float32) for _ in range(2)))
 
 
+@pytest.mark.parametrize("width", [None, 4])
 @pytest.mark.parametrize("seed", range(4))
-def test_the_read_pass_and_its_write_equal_the_writing_pass(seed):
-  """Random slots, runs of positions per slot (over stale entries), padding anywhere."""
+def test_the_read_pass_and_its_write_equal_the_writing_pass(seed, width):
+  """Random slots, runs of positions per slot (over stale entries), padding anywhere;
+  attention per token (`slot_width` None) and per slot (runs of <= 4 tokens)."""
   cfg = tiny_config().target
   params = M.init_params(cfg, jax.random.PRNGKey(seed))
   r = np.random.default_rng(seed)
@@ -55,7 +57,7 @@ def test_the_read_pass_and_its_write_equal_the_writing_pass(seed):
   ref = T.forward_packed(params, tokens, slot=slot, positions=pos, valid=valid, cache=cache,
                          cfg=cfg)
   out, writes = T.forward_packed_read(params, tokens, slot=slot, positions=pos, valid=valid,
-                                      cache=cache, cfg=cfg)
+                                      cache=cache, cfg=cfg, slot_width=width)
   written = T.write_packed(cache, writes, slot=slot, positions=pos, valid=valid)
   v = np.asarray(valid)
   np.testing.assert_allclose(np.asarray(out.logits)[v], np.asarray(ref.logits)[v],
@@ -65,6 +67,26 @@ def test_the_read_pass_and_its_write_equal_the_writing_pass(seed):
   for a, b in ((written.k, ref.cache.k), (written.v, ref.cache.v)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
   assert out.cache is None
+
+
+def test_per_slot_attention_needs_its_width_to_bound_every_slot():
+  """Negative control for the per-slot layout: a slot with 4 valid tokens read with
+  `slot_width` 3 loses its last token (wrong outputs), and bad widths are refused."""
+  cfg = tiny_config().target
+  params = M.init_params(cfg, jax.random.PRNGKey(0))
+  cache = _random_cache(cfg, 2, 16, 0)
+  slot, pos = jnp.array([0, 1, 0, 0, 0]), jnp.array([2, 9, 3, 4, 5])
+  valid, tokens = jnp.ones(5, bool), jnp.array([3, 4, 5, 6, 7])
+  run = lambda width: np.asarray(T.forward_packed_read(
+      params, tokens, slot=slot, positions=pos, valid=valid, cache=cache, cfg=cfg,
+      slot_width=width)[0].logits)
+  exact = run(None)
+  np.testing.assert_allclose(run(4), exact, rtol=1e-5, atol=1e-5)
+  assert np.abs(run(3)[4] - exact[4]).max() > 1e-3  # slot 0's fourth token
+  np.testing.assert_allclose(run(3)[:4], exact[:4], rtol=1e-5, atol=1e-5)
+  for bad in (0, True, -2):
+    with pytest.raises(ValueError, match="slot_width"):
+      run(bad)
 
 
 def test_the_read_pass_ignores_stale_entries_at_the_positions_it_writes():

@@ -523,7 +523,7 @@ def group_cache(engine: Engine, cache: Any) -> Any:
 
 def verify_forward(engine: Engine, target_params, cache: Any, *,
                    tokens: jax.Array, slot: jax.Array, positions: jax.Array,
-                   valid: jax.Array, read: bool = False):
+                   valid: jax.Array, read: bool = False, width: int | None = None):
   """The verify program of one bucket: each group's packed forward and sampling probs.
 
   Each group runs `engine.target.verify` (`av_jax.engine.protocols.Target`) on its T_g
@@ -540,6 +540,8 @@ def verify_forward(engine: Engine, target_params, cache: Any, *,
     valid: `[G, T_g]` bool, False for padding.
 
     read: run `target.verify_read` (the cache only read) instead of `verify`.
+    width: the most valid tokens of one slot (default K + 1), passed on as `slot_width`
+      to a `verify_read` that takes it (`Target.verify_read_width`), capped at T_g.
 
   Returns:
     `(probs [G, T_g, V], hidden [G, T_g, D], cache)`: the target's sampling distribution
@@ -552,9 +554,14 @@ def verify_forward(engine: Engine, target_params, cache: Any, *,
   run = target.verify_read if read else target.verify
   out_a = 0 if read else a
 
+  extra = {}
+  if read and target.verify_read_width:
+    extra = dict(slot_width=min(cfg.max_draft + 1 if width is None else width,
+                                tokens.shape[-1]))
+
   def one(cache, tokens, slot, positions, valid):
     logits, hidden, cache = run(target_params, cache, tokens=tokens, slot=slot,
-                                positions=positions, valid=valid)
+                                positions=positions, valid=valid, **extra)
     probs = sampling_probs(logits, temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p)
     return probs, hidden, cache
 
@@ -568,7 +575,8 @@ def verify_forward(engine: Engine, target_params, cache: Any, *,
       cache, tokens, slot, positions, valid)
 
 
-def _verify_packed(engine: Engine, target_params, cache, *, tokens, positions, valid):
+def _verify_packed(engine: Engine, target_params, cache, *, tokens, positions, valid,
+                   finish=None, plain=None):
   """Runs the target on the valid entries of `[B, K+1]`, packed per verify group.
 
   The B slots form G = `verify_groups` contiguous groups of B/G. Each group packs its
@@ -580,11 +588,21 @@ def _verify_packed(engine: Engine, target_params, cache, *, tokens, positions, v
   scalar maximum). The target's sampling distribution (temperature, top-p) is computed
   on the packed rows, so its cost follows the bucket like the forward pass does.
 
-  Returns dense `[B, K+1, V]` target sampling probabilities and `[B, K+1, D]` hidden
-  states (junk where not valid), the updated cache, and the bucket index.
+  `finish` (optional): `probs [B, K+1, V] -> RejectionResult`, run inside each bucket's
+  branch, so that no `[B, K+1, V]` tensor leaves the switch (on this CPU forming and
+  passing it cost a gated-off step ~10% of a target-only step at B = 8). `plain`
+  (optional, with `finish`): `(use [] bool, probs [B, V] -> RejectionResult)`; where `use`
+  holds the step runs the plain target pass on the base tokens `tokens[:, 0]` of the
+  slots with `valid[:, 0]` (`_plain_pass`, the program of a target-only step) instead of
+  any bucket, and writes nothing else.
+
+  Returns dense `[B, K+1, V]` target sampling probabilities (`finish`'s or `plain`'s
+  result instead, when given) and `[B, K+1, D]` hidden states (junk where not valid),
+  the updated cache, and the bucket index (0 for the plain pass).
   """
   G = engine.config.groups
   B, K1 = tokens.shape
+  base = (tokens[:, 0], positions[:, 0], valid[:, 0])
   sizes = engine.config.group_bucket_sizes()
   grouped = lambda x: x.reshape((G, B // G) + x.shape[1:])
   tokens, positions, valid = grouped(tokens), grouped(positions), grouped(valid)
@@ -614,14 +632,27 @@ def _verify_packed(engine: Engine, target_params, cache, *, tokens, positions, v
       gather = flat_rows(jnp.clip(index, 0, size - 1))
       unpack = lambda x: jax.vmap(lambda row, i: row[i])(x, gather).reshape(
           (B, K1) + x.shape[2:])
+      probs = unpack(probs) if finish is None else finish(unpack(probs))
       if not read:
-        return unpack(probs), unpack(hidden), protocols.ungroup_cache(target, out)
+        return probs, unpack(hidden), protocols.ungroup_cache(target, out)
       # [G, ..T_g at 1 + w..] -> [..B (K+1) at w..]: every bucket's writes in one shape
       entries = lambda x: jnp.moveaxis(
           unpack(jnp.moveaxis(x, 1 + w, 1)).reshape((B * K1,) + x.shape[1:1 + w]
                                                     + x.shape[2 + w:]), 0, w)
-      return unpack(probs), unpack(hidden), jax.tree.map(entries, out)
+      return probs, unpack(hidden), jax.tree.map(entries, out)
     return run
+
+  def plain_pass(cache):
+    # The base tokens unpacked (a target-only step's program); their entries go to
+    # column 0 of the [B, K+1] layout the buckets' writes have.
+    probs, hidden, out = _plain_pass(engine, target_params, cache, base=base[0],
+                                     position=base[1], active=base[2])
+    column0 = lambda x: jnp.zeros((B, K1) + x.shape[1:], x.dtype).at[:, 0].set(x)
+    if read:
+      out = jax.tree.map(lambda x: jnp.moveaxis(
+          column0(jnp.moveaxis(x, w, 0)).reshape((B * K1,) + x.shape[:w] + x.shape[w + 1:]),
+          0, w), out)
+    return plain[1](probs), column0(hidden), out
 
   # The switch reads the cache as stored (grouped inside each branch). A cache written
   # inside the branches comes back from the switch as a new buffer, which XLA copies whole
@@ -629,7 +660,15 @@ def _verify_packed(engine: Engine, target_params, cache, *, tokens, positions, v
   # drafting (the skip-drafting gate); with `verify_read` the branches return the tokens'
   # entries and the cache is written here, in place.
   branches = [branch(s) for s in sizes]
-  if read and len(branches) == 1:
+  if plain is not None:
+    if finish is None:
+      raise ValueError("plain: expected a `finish` too (the buckets' sampling)")
+    use = plain[0]
+    probs, hidden, out = jax.lax.switch(jnp.where(use, 0, 1 + bucket),
+                                        [plain_pass] + branches, cache)
+    bucket = jnp.where(use, 0, bucket).astype(jnp.int32)
+    valid = valid & ((jnp.arange(K1) == 0) | ~use)  # the plain pass wrote column 0 only
+  elif read and len(branches) == 1:
     # One bucket (fixed K): a conditional on "anything to verify", whose other branch runs
     # nothing, keeps the pass in a branch (see `_target_step`: at the loop body's top
     # level XLA copied the cache on every step).
@@ -789,49 +828,60 @@ def _idle(run):
   return idle
 
 
-def _target_step(engine: Engine, target_params, cache, key, *, base, position, active):
-  """Verification of a step with no drafts: one target token per slot, sampled.
+def _plain_pass(engine: Engine, target_params, cache, *, base, position, active):
+  """The target pass of a step with no drafts: each verify group runs its B/G base
+  tokens through the target (the smallest bucket, no packing).
 
-  The same law as `rejection_sample` with nothing verified (a draw from the target's
-  sampling distribution), at the cost of a target-only step: each verify group runs its
-  B/G base tokens through the target (the smallest bucket, no packing) and samples on
-  `[B, V]`; no `[B, K+1, V]` tensor is formed.
-
-  Returns `(RejectionResult, hidden [B, K+1, D], cache, bucket index 0)`.
+  Returns `(probs [B, V], hidden [B, D], out)`: the target's sampling distribution and
+  hidden state at each slot's base token, and with `verify_read` the tokens' entries
+  (token axis B at `write_axis`) for `target.write`, else the written cache (ungrouped).
   """
   cfg, target = engine.config, engine.target
-  B, K, G = cfg.num_slots, cfg.max_draft, cfg.groups
+  B, G = cfg.num_slots, cfg.groups
   grouped = lambda x: x.reshape(G, B // G)
-  # With `verify_read` the pass reads the cache and writes it after, as a gated step does
-  # (`_verify_packed`), so target-only decoding runs the same attention program.
+  # With `verify_read` the pass reads the cache and the caller writes it after, as a
+  # gated step does (`_verify_packed`), so target-only decoding runs the same attention
+  # program.
   read = target.verify_read is not None
   run = lambda cache: verify_forward(
       engine, target_params, group_cache(engine, cache), tokens=grouped(base),
       slot=grouped(jnp.tile(jnp.arange(B // G, dtype=jnp.int32), G)),
-      positions=grouped(position), valid=grouped(active), read=read)
-  if read:
-    # A batch with no active slot runs no target pass (the drain's last steps). The
-    # conditional also keeps XLA from copying the whole cache on every step: a read-only
-    # pass followed by its write at the top level of the decode loop's body was compiled
-    # with two copies of the cache per step, the same pass inside a branch with none
-    # (`tests/test_engine_inplace.py` checks the compiled chunk).
-    probs, hidden, out = jax.lax.cond(jnp.any(active), run, _idle(run), cache)
-  else:
+      positions=grouped(position), valid=grouped(active), read=read, width=1)
+  if not read:
     probs, hidden, out = run(cache)
-  if read:  # [G, ..B/G at 1 + w..] -> [..B at w..]
-    w = target.write_axis
-    merge = lambda x: jnp.moveaxis(jnp.moveaxis(x, 1 + w, 1).reshape((B,) + x.shape[1:1 + w]
-                                                                       + x.shape[2 + w:]), 0, w)
-    cache = target.write(cache, jax.tree.map(merge, out),
-                         slot=jnp.arange(B, dtype=jnp.int32), positions=position, valid=active)
-  else:
-    cache = protocols.ungroup_cache(target, out)
+    return probs.reshape(B, -1), hidden.reshape(B, -1), protocols.ungroup_cache(target, out)
+  # A batch with no active slot runs no target pass (the drain's last steps). The
+  # conditional also keeps XLA from copying the whole cache on every step: a read-only
+  # pass followed by its write at the top level of the decode loop's body was compiled
+  # with two copies of the cache per step, the same pass inside a branch with none
+  # (`tests/test_engine_inplace.py` checks the compiled chunk).
+  probs, hidden, out = jax.lax.cond(jnp.any(active), run, _idle(run), cache)
+  w = target.write_axis  # [G, ..B/G at 1 + w..] -> [..B at w..]
+  merge = lambda x: jnp.moveaxis(jnp.moveaxis(x, 1 + w, 1).reshape((B,) + x.shape[1:1 + w]
+                                                                     + x.shape[2 + w:]), 0, w)
+  return probs.reshape(B, -1), hidden.reshape(B, -1), jax.tree.map(merge, out)
+
+
+def _target_step(engine: Engine, target_params, cache, key, *, base, position, active):
+  """Verification of a step with no drafts: one target token per slot, sampled.
+
+  The same law as `rejection_sample` with nothing verified (a draw from the target's
+  sampling distribution), at the cost of a target-only step (`_plain_pass`): it samples
+  on `[B, V]`; no `[B, K+1, V]` tensor is formed.
+
+  Returns `(RejectionResult, hidden [B, K+1, D], cache, bucket index 0)`.
+  """
+  cfg, target = engine.config, engine.target
+  B, K = cfg.num_slots, cfg.max_draft
+  probs, hidden, out = _plain_pass(engine, target_params, cache, base=base,
+                                   position=position, active=active)
+  if target.verify_read is not None:
+    out = target.write(cache, out, slot=jnp.arange(B, dtype=jnp.int32), positions=position,
+                       valid=active)
   # probs is the sampling distribution (one-hot when greedy): a categorical draw from its
   # log is the target's token either way.
-  result = _plain_result(key, probs.reshape(B, -1), K)
-  hidden = hidden.reshape(B, -1)
   full = jnp.zeros((B, K + 1) + hidden.shape[1:], hidden.dtype).at[:, 0].set(hidden)
-  return result, full, cache, jnp.zeros((), jnp.int32)
+  return _plain_result(key, probs, K), full, out, jnp.zeros((), jnp.int32)
 
 
 def _plain_result(key: jax.Array, probs: jax.Array, K: int) -> RejectionResult:
@@ -904,12 +954,13 @@ def _verify_phase(engine: Engine, params: Params, state: DecodeState, drafts: Dr
   """The base token and the verified drafts, packed, in one target pass; then rejection
   sampling. `packed` False: a step that drafted nothing in a program that never drafts,
   a plain target step (no `[B, K+1, V]`). `packed` a traced `[]` bool (a gated step):
-  the packed pass always runs (a step that drafted nothing verifies nothing, the smallest
-  bucket) and only the sampling is chosen, rejection or the target's own draw
-  (`_plain_result`, the law and the draw of a plain step), so no conditional returns the
-  target cache: a cache returned by a conditional inside the decode loop was copied whole
-  on every step (XLA's copy insertion), which made a gated-off step dearer than a
-  target-only one."""
+  where it is False the verify switch runs the plain pass of a target-only step and the
+  target's own draw (`_plain_result`: the law and the draw of a plain step), else a
+  packed bucket and rejection sampling inside its branch. The target cache is written
+  after the switch (`verify_read`): a cache returned by a conditional inside the decode
+  loop was copied whole on every step (XLA's copy insertion), and a gated-off step that
+  ran the smallest packed bucket, formed `[B, K+1, V]` target probabilities and chose
+  its sampling in a conditional after it cost 1.2x a target-only step at B = 8."""
   B, K = engine.config.num_slots, engine.config.max_draft
   base = state.tokens[jnp.arange(B), state.length - 1]
   if packed is False:
@@ -919,15 +970,13 @@ def _verify_phase(engine: Engine, params: Params, state: DecodeState, drafts: Dr
   j = jnp.arange(K + 1)[None, :]
   positions = state.length[:, None] - 1 + j
   valid = state.active[:, None] & (j <= num_verified[:, None])
-  target_probs, hidden, cache, bucket = _verify_packed(
-      engine, params.target, state.target_cache, tokens=tokens, positions=positions,
-      valid=valid)
-  reject = lambda: rejection_sample(key, draft_probs=drafts.probs, draft_tokens=drafts.tokens,
-                                    target_probs=target_probs, num_verified=num_verified)
-  if packed is True:
-    return _Verdict(reject(), hidden, cache, bucket)
-  result = jax.lax.cond(packed, reject, lambda: _plain_result(key, target_probs[:, 0], K))
-  return _Verdict(result, hidden, cache, bucket)
+  reject = lambda target_probs: rejection_sample(
+      key, draft_probs=drafts.probs, draft_tokens=drafts.tokens, target_probs=target_probs,
+      num_verified=num_verified)
+  plain = None if packed is True else (~packed, lambda probs: _plain_result(key, probs, K))
+  return _Verdict(*_verify_packed(engine, params.target, state.target_cache, tokens=tokens,
+                                  positions=positions, valid=valid, finish=reject,
+                                  plain=plain))
 
 
 def _apply_stops(cfg: EngineConfig, state: DecodeState, result: RejectionResult) -> _Stops:

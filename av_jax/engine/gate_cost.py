@@ -6,9 +6,10 @@ token joins the slot's backlog, absorbed when `pending_width` are pending) must 
 most 5% more than a target-only step, at every concurrency. `measure_gate_cost` times
 both side by side in one process on random weights of a model set (timing does not
 depend on the weights), N repeats interleaved, each a chunk of `steps` decode steps with
-every slot busy: by default the AV engine's `pending_width` steps, so each chunk holds
-one absorb of a full backlog per slot (a long gated-off stretch, amortized as in a
-run); `steps` = K + 1 with the default backlog times a short stretch (no absorb).
+every slot busy, run in place (the state donated, as `batching` runs chunks): by
+default the AV engine's `pending_width` steps, so each chunk holds one absorb of a full
+backlog per slot (a long gated-off stretch, amortized as in a run); `steps` = K + 1
+with the default backlog times a short stretch (no absorb).
 `benchmarks/gate_cost.py` is its command line.
 
 Example:
@@ -55,17 +56,20 @@ def _busy_state(engine: core.Engine, params: core.Params, *, prompt_len: int):
 
 
 def _timer(engine: core.Engine, params: core.Params, state, steps: int):
-  """`() -> seconds` of `steps` steps from `state` (not donated: every call starts there)."""
+  """`() -> seconds` of `steps` steps from `state`, in place as the engine runs them (the
+  state donated; each call times a fresh copy, made before its clock starts)."""
   state, _ = jax.jit(lambda p, s: core.step(engine, p, s))(params, state)  # closes the gate
-  run = jax.jit(lambda p, s: core.run_chunk(engine, p, s, steps))
-  jax.block_until_ready(run(params, state))  # compile and warm up
+  run = jax.jit(lambda p, s: core.run_chunk(engine, p, s, steps), donate_argnums=1)
+  fresh = lambda: jax.block_until_ready(jax.tree.map(jnp.copy, state))
+  _, info = jax.block_until_ready(run(params, fresh()))  # compile and warm up
 
   def timed() -> float:
+    copy = fresh()
     start = time.perf_counter()
-    jax.block_until_ready(run(params, state))
+    jax.block_until_ready(run(params, copy))
     return time.perf_counter() - start
 
-  return timed, run(params, state)[1]
+  return timed, info
 
 
 def measure_gate_cost(models: ModelsConfig, *, kinds: Sequence[str] = ("draft_lm", "eagle",

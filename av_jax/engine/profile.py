@@ -265,11 +265,11 @@ def cost_model_from_profile(profile: dict, *, num_slots: int, max_tokens: int) -
 
 
 # Bumped whenever what `measure` times changes, so older cached profiles are not reused.
-PROFILE_VERSION = 9  # 3: draft times per draft bucket under the gate; 4, 5: whole steps;
+PROFILE_VERSION = 8  # 3: draft times per draft bucket under the gate; 4, 5: whole steps;
 # 6: the verify pass reads the cache (`Target.verify_read`), as the engine now runs it;
 # 7: entries above a later one re-timed (`retime_falls`): profiles cached before carried
-# load spikes; 8: per-slot verify attention and a gated-off step's plain pass (commits
-# e2fc8e3, 936b178, reverted); 9: the programs of 7 again
+# load spikes; 8: per-slot verify attention (`Target.verify_read_width`), a gated-off
+# step's plain pass
 
 
 def cache_key(engine: core.Engine) -> str:

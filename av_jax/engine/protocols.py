@@ -29,6 +29,9 @@ them re-ordered, N >= T). With them the engine writes the cache after its bucket
 in place; without them each bucket's `verify` writes it, and XLA copies the whole cache
 once per step of an engine whose steps choose between programs (the skip-drafting gate).
 
+With `verify_read_width` the engine also passes `slot_width=W` to `verify_read`: at
+most W valid tokens of one slot are in the pass (av_jax's transformer then attends
+per slot and reads each slot's cache once).
 `prefill` runs a prompt of P (a static bucket) tokens at positions 0..P-1 into a fresh
 one-slot cache (`init_cache(1, max_len)`); positions where `valid` is False are padding
 after the prompt. Without one (None) the engine prefills with `verify` (slot 0).
@@ -79,6 +82,9 @@ class Target(NamedTuple):
   write: Callable | None = None        # (cache, writes, *, slot [N], positions [N],
                                        #  valid [N]) -> cache with the valid entries written
   write_axis: int = 0   # the token axis of every `writes` leaf
+  # `verify_read` takes `slot_width=W` (static): the pass holds at most W valid tokens
+  # per slot (the engine's K + 1), e.g. to attend per slot instead of per token.
+  verify_read_width: bool = False
 
 
 def prefill_with_verify(target: Target, params, cache, *, tokens: jax.Array,
@@ -138,10 +144,10 @@ def transformer_target(models: ModelsConfig) -> Target:
                               valid=valid[None])
     return TargetOutput(out.logits[0], out.hidden[0], out.cache)
 
-  def verify_read(params, cache, *, tokens, slot, positions, valid):
+  def verify_read(params, cache, *, tokens, slot, positions, valid, slot_width=None):
     out, writes = transformer.forward_packed_read(params, tokens, slot=slot,
                                                   positions=positions, valid=valid,
-                                                  cache=cache, cfg=cfg)
+                                                  cache=cache, cfg=cfg, slot_width=slot_width)
     return out.logits, out.hidden, writes
 
   def write(cache, writes, *, slot, positions, valid):
@@ -151,4 +157,4 @@ def transformer_target(models: ModelsConfig) -> Target:
   name = "av_jax.transformer " + json.dumps(dataclasses.asdict(cfg), sort_keys=True)
   return Target(name=name, vocab_size=cfg.vocab_size, hidden_size=cfg.d_model,
                 init_cache=init_cache, verify=verify, prefill=prefill, slot_axis=1,
-                verify_read=verify_read, write=write, write_axis=1)
+                verify_read=verify_read, write=write, write_axis=1, verify_read_width=True)

@@ -17,7 +17,9 @@ Attention runs in one of four modes, chosen statically:
   returns the tokens' K/V instead of a written cache, for the caller to write
   (`transformer.write_packed`). A cache updated inside a branch of a `lax.cond` /
   `lax.switch` in a decode loop is copied whole by XLA on every step; read here and
-  written after the branch, it is updated in place.
+  written after the branch, it is updated in place. With `slot_width` W (at most W
+  valid tokens per slot) the same attention runs per slot on a `[B, W]` layout, reading
+  the cache once instead of gathering a slot's cache for every token.
 * `bidirectional`: no cache, no mask (the block drafter's K query slots).
 
 Writes at position >= M are dropped: callers mark invalid (padding) tokens by writing at
@@ -117,12 +119,50 @@ def _attend_packed_read(q, k, v, cache: LayerKV, *, slot, positions, write_posit
           + jnp.einsum("thu,uhd->thd", weights[..., max_len:], v))
 
 
+def _attend_slotted_read(q, k, v, cache: LayerKV, *, slot, positions, write_positions,
+                         width: int):
+  """`_attend_packed_read` computed per slot: the pass's valid tokens laid out `[B, width]`
+  (each slot's in pass order), attention of each slot's queries to its own cache rows
+  and its own new tokens, then back to the packed order. Reads the cache once, as a
+  plain step does, where the per-token form gathers a slot's whole cache for each of
+  the T tokens (`[T, M, H, Dh]`: most of a full bucket's cost on a CPU). Requires at most
+  `width` valid tokens per slot (the engine's K + 1); a valid token beyond that would be
+  dropped from the attention, so `width` must bound every slot's count. Padding tokens'
+  outputs are junk."""
+  batch, max_len = cache.k.shape[0], cache.k.shape[1]
+  valid = write_positions < max_len
+  mine = valid[:, None] & (slot[:, None] == jnp.arange(batch)[None, :])          # [T, B]
+  rank = jnp.take_along_axis(jnp.cumsum(mine, axis=0), slot[:, None], 1)[:, 0] - 1
+  row = jnp.where(valid, rank, width)                                # padding -> dropped
+  lay = lambda x, fill: jnp.full((batch, width) + x.shape[1:], fill, x.dtype).at[
+      slot, row].set(x, mode="drop")
+  Q, Kn, Vn = lay(q, 0), lay(k, 0), lay(v, 0)                        # [B, W, H, Dh]
+  P = lay(positions, -1)                                             # [B, W]
+  W = lay(valid, False)                                              # [B, W]
+  written = jnp.zeros((batch, max_len), bool).at[slot, write_positions].set(True, mode="drop")
+  m = jnp.arange(max_len)[None, None, :]
+  old = (m <= P[:, :, None]) & ~written[:, None, :]                  # [B, W, M]
+  new = W[:, None, :] & (P[:, None, :] <= P[:, :, None])             # [B, W, W]
+  scale = jnp.sqrt(q.shape[-1]).astype(q.dtype)
+  s_old = jnp.einsum("bihd,bmhd->bhim", Q, cache.k) / scale
+  s_new = jnp.einsum("bihd,bjhd->bhij", Q, Kn) / scale
+  scores = jnp.concatenate([jnp.where(old[:, None], s_old, _MASKED),
+                            jnp.where(new[:, None], s_new, _MASKED)], axis=-1)
+  weights = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(v.dtype)
+  out = (jnp.einsum("bhim,bmhd->bihd", weights[..., :max_len], cache.v)
+         + jnp.einsum("bhij,bjhd->bihd", weights[..., max_len:], Vn))     # [B, W, H, Dh]
+  return out[slot, jnp.minimum(row, width - 1)]                      # [T, H, Dh]
+
+
 class Attention(nn.Module):
   """Multi-head attention with RoPE and an optional explicit KV cache (see module doc)."""
   num_heads: int
   head_dim: int
   rope_theta: float
   mode: str  # "causal" | "dense" | "packed" | "packed_read" | "bidirectional"
+  # packed_read: at most this many valid tokens per slot -> per-slot attention
+  # (`_attend_slotted_read`); None: per token (`_attend_packed_read`).
+  slot_width: int | None = None
 
   @nn.compact
   def __call__(self, x, positions, cache: LayerKV | None = None, slot=None,
@@ -155,8 +195,12 @@ class Attention(nn.Module):
       mask = jnp.arange(max_len)[None, None, :] <= positions[:, None, None]  # [T, 1, M]
       out = _attend(q[:, None], keys, values, mask)[:, 0]
     elif self.mode == "packed_read":
-      out = _attend_packed_read(q, k, v, cache, slot=slot, positions=positions,
-                                write_positions=write_positions)
+      if self.slot_width is None:
+        out = _attend_packed_read(q, k, v, cache, slot=slot, positions=positions,
+                                  write_positions=write_positions)
+      else:
+        out = _attend_slotted_read(q, k, v, cache, slot=slot, positions=positions,
+                                   write_positions=write_positions, width=self.slot_width)
       new_cache = LayerKV(k, v)  # [T, H, Dh]: this pass's entries, to be written
     else:
       raise ValueError(f"unknown attention mode {self.mode!r}")
@@ -171,10 +215,12 @@ class Block(nn.Module):
   mlp_dim: int
   rope_theta: float
   mode: str
+  slot_width: int | None = None  # `Attention.slot_width`
 
   @nn.compact
   def __call__(self, x, positions, cache=None, slot=None, write_positions=None):
-    attn = Attention(self.num_heads, self.head_dim, self.rope_theta, self.mode, name="attn")
+    attn = Attention(self.num_heads, self.head_dim, self.rope_theta, self.mode,
+                     self.slot_width, name="attn")
     h, new_cache = attn(RMSNorm(name="attn_norm")(x), positions, cache, slot, write_positions)
     x = x + h
     x = x + GatedMLP(self.mlp_dim, name="mlp")(RMSNorm(name="mlp_norm")(x))

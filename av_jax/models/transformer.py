@@ -48,6 +48,7 @@ class Transformer(nn.Module):
   """Decoder-only transformer; `mode` is the attention mode (see `layers`)."""
   cfg: TransformerConfig
   mode: str = "causal"
+  slot_width: int | None = None  # packed_read: `layers.Attention.slot_width`
 
   @nn.compact
   def __call__(self, tokens, positions, cache: KVCache | None = None, slot=None,
@@ -60,8 +61,8 @@ class Transformer(nn.Module):
     for i in range(cfg.num_layers):
       layer_cache = None if cache is None else LayerKV(cache.k[i], cache.v[i])
       x, new_layer = Block(cfg.num_heads, cfg.head_dim, cfg.mlp_dim, cfg.rope_theta,
-                           self.mode, name=f"layer_{i}")(x, positions, layer_cache, slot,
-                                                         write_positions)
+                           self.mode, self.slot_width, name=f"layer_{i}")(
+                               x, positions, layer_cache, slot, write_positions)
       if new_layer is not None:
         ks.append(new_layer.k)
         vs.append(new_layer.v)
@@ -175,7 +176,8 @@ class PackedWrites(NamedTuple):
 
 def forward_packed_read(params, tokens: jax.typing.ArrayLike, *, slot: jax.typing.ArrayLike,
                         positions: jax.typing.ArrayLike, valid: jax.typing.ArrayLike,
-                        cache: KVCache, cfg: TransformerConfig
+                        cache: KVCache, cfg: TransformerConfig,
+                        slot_width: int | None = None
                         ) -> tuple[ForwardOutput, PackedWrites]:
   """`forward_packed` with the cache only read: the same logits and hidden states (up to
   float rounding), and the tokens' K/V returned for `write_packed` instead of a written
@@ -183,14 +185,19 @@ def forward_packed_read(params, tokens: jax.typing.ArrayLike, *, slot: jax.typin
   `lax.switch` and write the cache after it, which XLA does in place (a cache returned
   by a branch inside a decode loop is copied whole on every step).
 
-  Args, shapes and padding as `forward_packed`.
+  Args, shapes and padding as `forward_packed`; `slot_width` (optional, static): at most
+  this many valid tokens of one slot in the pass, which lets the attention run per slot
+  (`layers`, mode `packed_read`): the cache is read once instead of once per token. A
+  slot with more valid tokens than `slot_width` gets wrong outputs: it must bound them.
 
   Returns:
     `(ForwardOutput(logits [T,V], hidden [T,D], None), PackedWrites [L, T, H, Dh])`.
   """
   tokens, slot, positions, write = _packed_inputs(tokens, slot, positions, valid, cache)
-  out = Transformer(cfg, "packed_read").apply({"params": params}, tokens, positions, cache,
-                                              slot, write)
+  if slot_width is not None and (isinstance(slot_width, bool) or int(slot_width) < 1):
+    raise ValueError(f"slot_width: expected a positive int or None, got {slot_width!r}")
+  out = Transformer(cfg, "packed_read", slot_width).apply({"params": params}, tokens,
+                                                          positions, cache, slot, write)
   return ForwardOutput(out.logits, out.hidden, None), PackedWrites(out.cache.k, out.cache.v)
 
 

@@ -88,6 +88,10 @@ def test_profile_times_the_users_verify_and_draft_through_the_protocol(example, 
   # The cache key names the user's model, so another model is profiled anew.
   other = counted._replace(target=counted.target._replace(name="another model"))
   assert profile.cache_key(other) != profile.cache_key(counted)
+  # And the attention of its verify pass (per slot or per token) too.
+  width = counted.target.verify_read_width
+  toggled = counted._replace(target=counted.target._replace(verify_read_width=not width))
+  assert profile.cache_key(toggled) != profile.cache_key(counted)
 
 
 def test_make_engine_takes_exactly_one_of_models_and_target(example, models):

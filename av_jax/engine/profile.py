@@ -171,84 +171,71 @@ def whole_step_ms(engine: core.Engine, params: core.Params, state: core.DecodeSt
   return out
 
 
-def verify_scale(profile: dict, *, num_slots: int, max_tokens: int) -> float:
-  """How much of the verify programs' growth above B tokens a whole step pays, in [0.1, 1].
+def step_anchors(profile: dict, *, num_slots: int, max_tokens: int) -> list[tuple[int, float]]:
+  """The verify costs whole steps measured: `[(T, ms)]`, T the tokens a regime verifies.
 
-  The verify programs are timed alone; inside the decode loop the same pass is fused
-  with the rest of the step and, on a CPU, costs much less per extra token (measured:
-  block B = 8, v2 shapes, the full step verifying all 72 tokens at 62 ms against 113 ms
-  for its drafter and verify programs timed alone). From `profile["step_ms"]`: `(full -
-  draft(B) - skip) / (verify(B (K+1)) - verify(B))`, the measured cost of a full step's
-  tokens above B over the programs' (1 without whole-step times, or where the programs do
-  not grow). Clipped to [0.1, 1]: a step dearer than its programs is priced by the draft
-  extra of `step_overheads` instead.
-  """
-  steps = profile.get("step_ms")
-  if not steps or "full" not in steps:
-    return 1.0
-  cost = step_cost_model(profile["buckets"], profile["bucket_ms"], profile["draft_ms"],
-                         num_slots=num_slots, max_tokens=max_tokens)
-  verify = np.asarray(cost.verify_ms, np.float64)
-  growth = float(verify[max_tokens] - verify[num_slots])
-  if growth <= 0:
-    return 1.0
-  paid = float(steps["full"]) - float(profile["draft_ms"]) - float(steps["skip"])
-  return float(np.clip(paid / growth, 0.1, 1.0))
-
-
-def _verify_table(profile: dict, *, num_slots: int, max_tokens: int) -> tuple[np.ndarray, float]:
-  """The verify table whole steps price (see `step_overheads`), and its extra at B."""
-  cost = step_cost_model(profile["buckets"], profile["bucket_ms"], profile["draft_ms"],
-                         num_slots=num_slots, max_tokens=max_tokens)
-  verify = np.asarray(cost.verify_ms, np.float64)
-  steps = profile.get("step_ms")
-  if not steps:
-    return verify, 0.0
-  extra_verify = max(float(steps["skip"]) - float(verify[num_slots]), 0.0)
-  scale = verify_scale(profile, num_slots=num_slots, max_tokens=max_tokens)
-  base = verify[num_slots]
-  scaled = np.where(np.arange(verify.shape[0]) > num_slots,
-                    base + scale * (verify - base), verify)
-  return np.concatenate([verify[:1], scaled[1:] + extra_verify]), extra_verify
-
-
-def step_overheads(profile: dict, *, num_slots: int, max_tokens: int) -> tuple[float, float]:
-  """`(verify_ms, draft_ms)` a step costs beyond the programs `measure` times.
-
-  From `profile["step_ms"]`: a gated-off step of B requests costs `skip` where the
-  verify table says `verify(B)`, the difference (>= 0) is added to every verify entry;
-  the verify table's growth above B tokens is scaled by `verify_scale` (what a full step
-  measured). A drafting step pays a fixed extra whatever the number of drafting slots
-  (the target's sampling distribution on every packed row, rejection over `[B, K+1, V]`,
-  the scatter of the drafts): measured where a gate spends most drafting steps, on one
-  drafting slot (`one` against `draft(1) + verify(B + K)` of the scaled table; `full`
-  against `draft(B) + verify(B (K+1))` in a profile without `one`), the rest (>= 0) is
-  added to every draft entry. (0, 0) for a profile without whole-step times.
+  From `profile["step_ms"]` (docs/algorithm.md 8.2): a gated-off step verifies B tokens
+  and costs `skip`; the one-slot step verifies B + K and costs `one` less the smallest
+  draft bucket's program; the full step verifies B (K + 1) and costs `full` less the
+  drafter's program for all B slots. Empty for a profile without whole-step times.
   """
   steps = profile.get("step_ms")
   if not steps:
-    return 0.0, 0.0
-  verify, extra_verify = _verify_table(profile, num_slots=num_slots, max_tokens=max_tokens)
-  K = (max_tokens - num_slots) // num_slots
+    return []
+  B, T = num_slots, max_tokens
+  K = (T - B) // B
+  anchors = [(B, float(steps["skip"]))]
   if "one" in steps:
     draft_one = (profile["draft_bucket_ms"][0] if "draft_bucket_ms" in profile
                  else profile["draft_ms"])
-    drafting, programs = steps["one"], draft_one + verify[num_slots + K]
-  else:
-    drafting, programs = steps["full"], profile["draft_ms"] + verify[max_tokens]
-  extra_draft = max(float(drafting) - float(programs), 0.0)
-  return extra_verify, extra_draft
+    anchors.append((B + K, float(steps["one"]) - float(draft_one)))
+  anchors.append((T, float(steps["full"]) - float(profile["draft_ms"])))
+  return anchors
+
+
+def verify_table(profile: dict, *, num_slots: int, max_tokens: int) -> np.ndarray:
+  """`[max_tokens + 1]` verify costs: the programs' table mapped onto whole steps.
+
+  The programs timed alone (`bucket_ms`) are not what a step pays: on a gated-off step
+  the engine runs a target-only step's plain pass, not the smallest packed bucket, and
+  the rest of a step (sampling, rejection, packing, the drafter's commit) adds or fuses
+  away time. The table takes the anchors' costs at their token counts (`step_anchors`)
+  and follows the programs' shape V between them: for T_a < T <= T_b, `ms_a + (ms_b -
+  ms_a) (V(T) - V(T_a)) / (V(T_b) - V(T_a))` (ms_b where the programs do not grow: T costs
+  what its bucket, or the regime at T_b, costs). Entries below B tokens are scaled by
+  skip / V(B). Anchors at one token count (B = 1: the one-slot and the full step are the
+  same regime) are averaged, and their costs kept monotone (a running maximum: load only
+  adds time). Without whole-step times, the programs' table.
+  """
+  cost = step_cost_model(profile["buckets"], profile["bucket_ms"], profile["draft_ms"],
+                         num_slots=num_slots, max_tokens=max_tokens)
+  verify = np.asarray(cost.verify_ms, np.float64)
+  anchors = step_anchors(profile, num_slots=num_slots, max_tokens=max_tokens)
+  if not anchors:
+    return verify
+  at = {}
+  for t, ms in anchors:
+    at.setdefault(t, []).append(ms)
+  ts = sorted(at)
+  ys = np.maximum.accumulate(np.maximum([np.mean(at[t]) for t in ts], 1e-6))
+  out = np.minimum(verify * (ys[0] / max(float(verify[ts[0]]), 1e-12)), ys[0])
+  for (t_a, y_a), (t_b, y_b) in zip(zip(ts, ys), zip(ts[1:], ys[1:])):
+    t = np.arange(t_a + 1, t_b + 1)
+    grow = float(verify[t_b] - verify[t_a])
+    frac = (verify[t] - verify[t_a]) / grow if grow > 0 else np.ones(t.shape)
+    out[t] = y_a + frac * (y_b - y_a)
+  out[ts[0]] = ys[0]
+  return out
 
 
 def cost_model_from_profile(profile: dict, *, num_slots: int, max_tokens: int) -> CostModel:
-  """Step-function, monotone `CostModel` from `measure`'s bucket times.
+  """Step-function, monotone `CostModel` from `measure`'s bucket times, its verify
+  entries mapped onto the whole steps the profile measured (`verify_table`).
 
   A non-monotone profile is repaired to its running maximum with a `UserWarning`
   (`av_jax.profiling.step_cost_model`).
   """
-  cost = step_cost_model(profile["buckets"], profile["bucket_ms"], profile["draft_ms"],
-                         num_slots=num_slots, max_tokens=max_tokens)
-  draft = np.asarray(cost.draft_ms, np.float64)
+  draft = np.full(num_slots + 1, float(profile["draft_ms"]))  # drafting for all B slots
   if "draft_bucket_ms" in profile:
     # R drafting requests cost what the smallest draft bucket E >= R costs (R = 0: the
     # smallest; a step with none does not draft).
@@ -256,20 +243,18 @@ def cost_model_from_profile(profile: dict, *, num_slots: int, max_tokens: int) -
     index = np.minimum(np.searchsorted(sizes, np.arange(num_slots + 1), side="left"),
                        len(sizes) - 1)
     draft = np.asarray(profile["draft_bucket_ms"], np.float64)[index]
-  # What whole steps cost beyond (or short of) the programs (section 8.2): verify entries
-  # carry a target-only step's extra and grow as a full step measured, draft entries
-  # carry a drafting step's extra.
-  _, extra_draft = step_overheads(profile, num_slots=num_slots, max_tokens=max_tokens)
-  verify, _ = _verify_table(profile, num_slots=num_slots, max_tokens=max_tokens)
-  return make_cost_model(draft + extra_draft, verify)
+  # What whole steps cost (section 8.2): the verify entries are mapped onto the measured
+  # regimes; a step's drafting is priced by the drafter's programs.
+  return make_cost_model(draft, verify_table(profile, num_slots=num_slots,
+                                             max_tokens=max_tokens))
 
 
 # Bumped whenever what `measure` times changes, so older cached profiles are not reused.
-PROFILE_VERSION = 8  # 3: draft times per draft bucket under the gate; 4, 5: whole steps;
+PROFILE_VERSION = 10  # 3: draft times per draft bucket under the gate; 4, 5: whole steps;
 # 6: the verify pass reads the cache (`Target.verify_read`), as the engine now runs it;
 # 7: entries above a later one re-timed (`retime_falls`): profiles cached before carried
 # load spikes; 8: per-slot verify attention (`Target.verify_read_width`), a gated-off
-# step's plain pass
+# step's plain pass; 9: the programs of 7 again (8 reverted); 10: the programs of 8 again
 
 
 def cache_key(engine: core.Engine) -> str:
@@ -277,8 +262,11 @@ def cache_key(engine: core.Engine) -> str:
   cfg.pop("steps_per_chunk")
   # av_jax's model set by its config; a target of the user's own by its name.
   models = (engine.target.name if engine.models is None else dataclasses.asdict(engine.models))
+  # How the target's verify pass attends (per slot or per token) changes every bucket's
+  # time: a target that toggles it gets a profile of its own.
   blob = json.dumps([PROFILE_VERSION, jax.devices()[0].device_kind, cfg, models,
-                     engine.drafter.kind], sort_keys=True, default=str)
+                     engine.drafter.kind, bool(engine.target.verify_read_width)],
+                    sort_keys=True, default=str)
   return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 

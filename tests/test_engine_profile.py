@@ -36,7 +36,11 @@ def test_profile_measures_every_bucket_and_caches(tmp_path):
   path.write_text("{not json")
   _, fresh = prof.profile_costs(engine, params, repeats=1, cache_dir=str(tmp_path))
   assert not fresh["cached"]
-  assert "bucket T" in prof.format_profile(fresh)
+  text = prof.format_profile(fresh)
+  assert "bucket T" in text
+  B, T = engine.config.num_slots, engine.buckets[-1]
+  skip = fresh["step_ms"]["skip"]
+  assert f"verify priced at whole steps: T = {B}: {skip:.3f} ms" in text
 
 
 def test_whole_steps_price_the_tables_at_what_steps_cost():

@@ -350,6 +350,11 @@ def format_profile(profile: dict) -> str:
               f"one slot drafting {profile['step_ms'].get('one', float('nan')):.3f} ms, "
               f"all drafting {profile['step_ms']['full']:.3f} ms (docs/algorithm.md 8.2)"]
              if profile.get("step_ms") else []),
+           *([f"verify priced at whole steps: " + ", ".join(
+               f"T = {t}: {ms:.3f} ms" for t, ms in step_anchors(
+                   profile, num_slots=profile["buckets"][0],
+                   max_tokens=profile["buckets"][-1]))]
+             if profile.get("step_ms") else []),
            f"{'bucket T':>9} {'verify ms':>10} {'ms/token':>9}"]
   for size, ms in zip(profile["buckets"], profile["bucket_ms"]):
     lines.append(f"{size:>9} {ms:>10.3f} {ms / size:>9.4f}")

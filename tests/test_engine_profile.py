@@ -99,6 +99,30 @@ def test_whole_step_anchors_from_a_recorded_profile():
   assert np.all(np.diff(v) >= 0)
 
 
+def test_regimes_out_of_order_are_retimed():
+  """A gated-off step timed above the drafting regimes (a load spike) is re-timed and
+  keeps the smaller time; regimes in order are timed once (negative control)."""
+  profile = dict(buckets=[2, 4, 6], bucket_ms=[2.0, 3.0, 6.0], draft_ms=0.8,
+                 draft_buckets=[1, 2], draft_bucket_ms=[0.5, 0.8])
+  rows = dict(skip_rows=0, one_rows=1, full_rows=2)
+  times = [dict(rows, skip=9.0, one=3.0, full=4.0), dict(rows, skip=1.5, one=3.2, full=3.9)]
+  calls = []
+  timer = lambda: calls.append(1) or times[len(calls) - 1]
+  steps = prof.retime_regimes(profile, timer, num_slots=2, max_tokens=6)
+  assert len(calls) == 2
+  assert (steps["skip"], steps["one"], steps["full"]) == (1.5, 3.0, 3.9)
+  assert steps["one_rows"] == 1
+  calls.clear()
+  times[0] = dict(rows, skip=1.5, one=3.0, full=4.0)
+  assert prof.retime_regimes(profile, timer, num_slots=2, max_tokens=6)["skip"] == 1.5
+  assert len(calls) == 1
+  # A spike that persists: at most `rounds` re-timings.
+  calls.clear()
+  times[:] = [dict(rows, skip=9.0, one=3.0, full=4.0)] * 3
+  prof.retime_regimes(profile, timer, num_slots=2, max_tokens=6)
+  assert len(calls) == 3
+
+
 def test_regimes_on_one_bucket_are_averaged():
   """B = 1: the one-slot and the full step are the same regime (one bucket of K + 1
   tokens); its anchor is their mean, and a regime between two buckets interpolates."""

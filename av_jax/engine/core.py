@@ -1110,7 +1110,7 @@ def _gated_step(engine: Engine, params: Params, state: DecodeState, *, key: jax.
   are discarded and whose state is not written back) are gathered into the smallest
   draft bucket E >= n (`EngineConfig.draft_bucket_sizes`, `lax.switch` over one program
   per bucket); the top bucket E = B drafts every row in place. n = 0 runs no drafter
-  pass: the target verifies the B base tokens (the smallest packed bucket) and draws
+  pass: the target runs a target-only step's plain pass on the B base tokens and draws
   each slot's token from its own distribution, and the drafter only catches up (for an
   autoregressive drafter the token joins the slot's backlog, absorbed when the slot
   drafts again or every `pending_width` steps: lazy catch-up). Slots that did not draft

@@ -615,11 +615,12 @@ def make_planner(
       # only the slots that pay draft: the drafter pass is shared by that group alone.
       # When the group of this step's drafting slots that pay does not pay as a group on
       # the step it would run (its gain against f draft_cost(|P|) + verify_cost(R + n_P),
-      # f from its deepest drafted depth), either every active slot already drafted (the
-      # group cannot grow: it closes) or the other active slots try drafting at the next
-      # step (judged afresh there), so a group that pays only when more slots join it
-      # finds them (a lone re-checked slot under a weight-bound drafter), and one that
-      # does not (math requests beside code requests on a compute-bound device) closes.
+      # f from its deepest drafted depth), either it cannot grow into a group that pays
+      # (it closes) or enough joinable slots (not judged on drafts of their own) try
+      # drafting at the next step (judged afresh there), so a group that pays only
+      # when more slots join it finds them (a lone re-checked slot under a weight-bound
+      # drafter), and one that does not (math requests beside code requests on a
+      # compute-bound device) closes.
       P = judged & slot_pays
       own_b = jnp.broadcast_to(own, P.shape)
       group_share = jnp.max(jnp.where(P, own_b, 0.0))
@@ -633,14 +634,42 @@ def make_planner(
       g_smooth = jnp.where(spent > 0, (margin + 1.0) * spent / base, g)
       group_pays = (R + jnp.sum(jnp.where(P, g_smooth, 0.0))) * base > R * group_cost
       fails = jnp.any(P) & ~group_pays
-      everyone = d >= jnp.sum(live, dtype=jnp.int32)
-      close = fails & everyone & P
+      # The slots that could join: active, not drafting now, and without evidence of
+      # their own that their drafts do not pay (a margin >= 0: never judged, or closed
+      # with its group while its own drafts paid; or waiting since admission). A slot
+      # judged not paying on its own drafts of this request (margin < 0) is left to its
+      # re-check, so a lone re-checked slot does not make every such slot draft.
+      joinable = live & ~planned & ~slot_pays & ((prior >= 0) | (prior == WAITING))
+      # The group grows to the smallest size G that would pay if the joining slots drafted
+      # like P's average slot (gain g_P / |P| and n_P / |P| positions each): the slots
+      # that join are the first G - |P| joinable ones in slot order. Where no size up to
+      # |P| + (joinable) pays the group closes now (a compute-bound drafter whose rows
+      # cost alike: recruiting the batch costs a whole drafting step and cannot pay).
+      size_P = jnp.sum(P, dtype=jnp.int32)
+      per_g = jnp.sum(jnp.where(P, g_smooth, 0.0)) / jnp.maximum(size_P, 1)
+      per_n = n_P.astype(jnp.float32) / jnp.maximum(size_P, 1).astype(jnp.float32)
+      sizes = jnp.arange(1, planned.shape[0] + 1, dtype=jnp.int32)                # [B]
+      grown_n = jnp.round(sizes * per_n).astype(jnp.int32)
+      grown_cost = (group_share * cost.draft_cost(sizes) + cost.verify_cost(
+          jnp.minimum(R + grown_n, cost.verify_ms.shape[0] - 1)))
+      grown_pays = ((R + sizes * per_g) * base > R * grown_cost) & (sizes > size_P) & (
+          sizes <= size_P + jnp.sum(joinable, dtype=jnp.int32))
+      grows = jnp.any(grown_pays)
+      need = jnp.where(grows, jnp.argmax(grown_pays) + 1, 0) - size_P
+      rank = jnp.cumsum(joinable, dtype=jnp.int32) - 1
+      joinable = joinable & (rank < need)
+      close = fails & ~grows & P
       slot_pays = slot_pays & ~close
       margin = jnp.where(close, jnp.minimum(margin, 0.0), margin)
-      retry = fails & ~everyone & live & ~planned & ~slot_pays
+      retry = fails & joinable
       slot_pays = slot_pays | retry
       margin = jnp.where(retry, jnp.inf, margin)
-    found = jnp.any(judged & slot_pays)
+    else:
+      fails = jnp.bool_(False)
+    # Found: some judged slot pays and its group pays as it ran. A group that does not
+    # pay yet but tries to grow is not a find: the back-off keeps growing until the
+    # grown group pays (then the interval resets, at whatever step that is).
+    found = jnp.any(judged & slot_pays) & ~fails
     if pays_before.shape[0] > 1 or planned.shape[0] == 1:
       # Slots gated off at admission on the batch's view (no evidence of their own)
       # follow it when it changes: once some slot's drafts pay they try drafting at
@@ -657,10 +686,17 @@ def make_planner(
     interval = jnp.where(found, jnp.int32(recheck_every),
                          jnp.minimum(2 * state.recheck_interval, max_recheck_every))
     interval = jnp.where(counted, interval, state.recheck_interval).astype(jnp.int32)
+    next_recheck = jnp.where(counted, state.step + interval, state.next_recheck)
+    # A find on another step (a grown group that pays, the step after its re-check)
+    # resets the back-off there.
+    late = found & ~counted & (d > 0)
+    interval = jnp.where(late, jnp.int32(recheck_every), interval).astype(jnp.int32)
+    next_recheck = jnp.where(late, jnp.minimum(next_recheck, state.step + recheck_every),
+                             next_recheck)
     return new_state._replace(
         slot_pays=slot_pays, drafting_pays=jnp.any(slot_pays), pay_margin=margin,
         recheck_interval=interval,
-        next_recheck=jnp.where(counted, state.step + interval, state.next_recheck),
+        next_recheck=next_recheck,
         recheck_count=state.recheck_count + counted.astype(jnp.int32))
 
   return Planner(init=init, plan=plan, policy=policy, should_draft=should_draft,

@@ -292,8 +292,17 @@ def test_a_new_request_starts_with_the_batch_view():
   opened = core._fresh_verdict(base, jnp.int32(3), B, active.at[2].set(True))
   np.testing.assert_array_equal(opened.slot_pays, [False, False, True, True])
   assert np.isinf(opened.pay_margin[3])
-  # Alone in the batch: drafting is tried.
+  # Alone in the batch: the batch's last verdict decides (None before any step: tried);
+  # with B = 1 every request is tried.
   alone = core._fresh_verdict(base, jnp.int32(0), B, jnp.zeros((B,), bool))
+  assert bool(alone.slot_pays[0]) and np.isinf(alone.pay_margin[0])
+  unpaid = base._replace(drafting_pays=jnp.asarray(False))
+  alone = core._fresh_verdict(unpaid, jnp.int32(0), B, jnp.zeros((B,), bool))
+  assert not bool(alone.slot_pays[0]) and float(alone.pay_margin[0]) == planner_lib.WAITING
+  one = core.PlannerState(budget=jnp.int32(0), step=jnp.int32(0),
+                          drafting_pays=jnp.asarray(False), slot_pays=jnp.zeros((1,), bool),
+                          pay_margin=jnp.full((1,), -0.5, jnp.float32))
+  alone = core._fresh_verdict(one, jnp.int32(0), 1, jnp.zeros((1,), bool))
   assert bool(alone.slot_pays[0]) and np.isinf(alone.pay_margin[0])
 
 
@@ -317,20 +326,22 @@ def test_a_burst_into_an_idle_batch_follows_the_last_verdict(last):
   assert bool(state.slot_pays[2]) == last
 
 
-def test_a_burst_into_an_idle_batch_drafts_for_one_slot_when_nothing_paid():
+@pytest.mark.parametrize("paid", [False, True])
+def test_a_burst_into_an_idle_batch_drafts_only_where_drafting_paid(paid):
   """End to end: after a run in which no slot's drafts paid, B requests admitted into
-  the idle batch at once draft for one slot only on their first step (the first one
-  admitted, alone in the batch when it came); the others wait for a re-check."""
+  the idle batch at once draft for no slot on their first step (the first one admitted,
+  alone in the batch when it came, follows the batch's last verdict too); they wait for
+  a re-check. After a run in which drafting paid (the control) every one tries."""
   engine, params = _engine("block", num_slots=4)
   B, K = engine.config.num_slots, engine.config.max_draft
   prefill, _, init = G.compiled(engine)
   state = init(params, fx.key(0), _cost(B, K, 100.0))
   closed = state.planner._replace(slot_pays=jnp.zeros((B,), bool),
                                   pay_margin=jnp.full((B,), -0.5, jnp.float32),
-                                  drafting_pays=jnp.asarray(False))
+                                  drafting_pays=jnp.asarray(paid))
   state = state._replace(planner=closed)
   prompt = jnp.asarray([3, 1, 4, 1, 5, 0, 0, 0], jnp.int32)
   for slot in range(B):
     state = prefill(params, state, prompt, jnp.int32(5), jnp.int32(slot), jnp.int32(8))
   np.testing.assert_array_equal(
-      engine.decider.draft_slots(state.decision, state.active), np.arange(B) == 0)
+      engine.decider.draft_slots(state.decision, state.active), np.full(B, paid))

@@ -175,8 +175,13 @@ def test_a_lone_rechecked_slot_is_judged_as_if_every_slot_drafted_like_it():
   want = _margins(probs, cost, active, lone)
   np.testing.assert_allclose(float(new.pay_margin[2]), want[2], rtol=1e-5)
   assert bool(new.slot_pays[2]) and want[2] > 0
-  np.testing.assert_array_equal(np.asarray(new.slot_pays), True)  # the others re-tried
-  assert np.isposinf(np.asarray(new.pay_margin)[~np.asarray(lone)]).all()
+  # The others grow the group to the smallest size that would pay (here one slot more,
+  # the first joinable in slot order), not to the whole batch.
+  G = _grown_size(probs, cost, active, lone, B - 1)
+  assert G == 2
+  joined = np.asarray(new.slot_pays) & ~np.asarray(lone)
+  np.testing.assert_array_equal(np.flatnonzero(joined), [0])
+  assert np.isposinf(np.asarray(new.pay_margin)[joined]).all()
   # Negative control: the step that ran (draft_cost(1) + verify_cost(R + K)) charged to
   # the one slot does not pay.
   g = float(np.cumprod(np.full(K, 0.9)).sum())
@@ -226,8 +231,11 @@ def test_a_paying_group_that_does_not_pay_together_closes():
   """Two slots with good drafts beside six with bad ones, a dear weight-bound drafter
   pass: judged as if every slot drafted like them the good slots pay (the negative
   control: the per-slot rule alone keeps them open), but the two alone do not earn the
-  pass they share. Drafting alone, they stay open and the other slots try drafting at the
-  next step; with every active slot drafting and the group still not paying, all close."""
+  pass they share. Drafting alone, they stay open and the other slots (waiting since
+  admission: no evidence of their own) try drafting at the next step; with every active
+  slot drafting and the group still not paying, all close. Other slots judged not
+  paying on their own drafts (margin < 0) do not join: the pair closes at once, and the
+  failed group is not a find (the re-check interval doubles)."""
   planner, cost = _planner(), _heavy_pass_cost()
   probs = _half_probs(0.9, 0.05)
   probs = jnp.where(jnp.arange(B)[:, None] < 2, probs, 0.05)  # slots 0, 1 good
@@ -236,15 +244,27 @@ def test_a_paying_group_that_does_not_pay_together_closes():
   m = _margins(probs, cost, active, np.ones(B, bool))
   assert (m[good] > 0).all() and (m[~good] < 0).all()  # the per-slot rule: good ones pay
   pair = jnp.asarray(good)
-  state = planner.init(B)._replace(
-      step=jnp.int32(1), slot_pays=pair,
-      pay_margin=jnp.where(pair, jnp.inf, -0.5).astype(jnp.float32))
+  judged = planner.init(B)._replace(
+      step=jnp.int32(4), next_recheck=jnp.int32(4), recheck_interval=jnp.int32(4),
+      slot_pays=pair, pay_margin=jnp.where(pair, jnp.inf, -0.5).astype(jnp.float32))
+  _, closed = planner.plan(judged, probs, cost, active=active, drafting=pair)
+  np.testing.assert_array_equal(np.asarray(closed.slot_pays), False)
+  assert int(closed.recheck_interval) == 8 and int(closed.next_recheck) == 12
+  state = judged._replace(
+      step=jnp.int32(1),
+      pay_margin=jnp.where(pair, jnp.inf, av_jax.planner.WAITING).astype(jnp.float32))
   _, state = planner.plan(state, probs, cost, active=active, drafting=pair)
-  np.testing.assert_array_equal(np.asarray(state.slot_pays), True)  # expansion
-  np.testing.assert_array_equal(np.isposinf(np.asarray(state.pay_margin)), ~good)
+  G = _grown_size(probs, cost, active, pair, B - 2)
+  assert G is not None and 2 < G < B
+  grown = np.arange(B) < G
+  np.testing.assert_array_equal(np.asarray(state.slot_pays), grown)  # expansion
+  np.testing.assert_array_equal(np.isposinf(np.asarray(state.pay_margin)), grown & ~good)
   state = state._replace(step=jnp.int32(2))
   drafting = planner.draft_slots(state, active)
-  np.testing.assert_array_equal(np.asarray(drafting), True)
+  np.testing.assert_array_equal(np.asarray(drafting), grown)
+  # The joined slots' drafts are bad; the pair with the B - G slots still waiting cannot
+  # make a group that pays (G - 2 slots like it were needed): all close.
+  assert _grown_size(probs, cost, active, pair, B - G) is None
   _, state = planner.plan(state, probs, cost, active=active, drafting=drafting)
   np.testing.assert_array_equal(np.asarray(state.slot_pays), False)
   assert not bool(state.drafting_pays)
@@ -311,6 +331,27 @@ def _margins(probs, cost, active, drafting, share=1.0):
            - verify_ms[R])
   m = np.clip(g * verify_ms[R] / extra - 1.0, -1.0, 4.0)
   return np.where(D, m, np.nan)
+
+
+def _grown_size(probs, cost, active, P, joinable):
+  """The smallest group G > |P| that pays if every joining slot drafts like P's average
+  slot, in NumPy (None: no G up to |P| + joinable pays): (R + G g) verify_cost(R) >
+  R (draft_cost(G) + verify_cost(R + round(G n))), g and n P's mean gain (from the
+  clipped margins, as the planner reads it back) and verified positions."""
+  probs, active, P = map(np.asarray, (probs, active, P))
+  draft_ms, verify_ms = (np.asarray(t, np.float64) for t in (cost.draft_ms, cost.verify_ms))
+  _, mask = _reference_pays(probs, cost, active, P)
+  R, base = int(active.sum()), verify_ms[int(active.sum())]
+  n_b = mask.sum(axis=1)
+  m = _margins(probs, cost, active, P)
+  spent = draft_ms[R] + verify_ms[np.minimum(R + R * n_b, len(verify_ms) - 1)] - base
+  g = np.where(P, (m + 1.0) * spent / base, 0.0)
+  size, per_g, per_n = int(P.sum()), g[P].mean(), n_b[P].mean()
+  for G in range(size + 1, size + int(joinable) + 1):
+    tokens = min(R + int(np.round(G * per_n)), len(verify_ms) - 1)
+    if (R + G * per_g) * base > R * (draft_ms[G] + verify_ms[tokens]):
+      return G
+  return None
 
 
 def test_one_bad_step_does_not_close_a_paying_slot_and_a_recheck_opens_on_fresh_evidence():
@@ -615,3 +656,32 @@ def test_decider_passes_batch_size_and_slots():
   active = jnp.ones((B,), bool)
   np.testing.assert_array_equal(decider.draft_slots(state, active), active)
   assert bool(decider.drafts(state))
+
+
+def test_a_grown_group_that_pays_resets_the_backoff_where_it_pays():
+  """A re-checked slot whose group fails grows it instead of closing; the re-check is not
+  a find (the interval doubles), and the step on which the grown group pays resets the
+  interval and brings the next re-check within `recheck_every` steps. Negative control:
+  the same re-check with a pass cheap enough for the lone slot is a find at once."""
+  planner, cost = _planner(), _heavy_pass_cost()
+  probs = jnp.full((B, K), 0.9, jnp.float32)
+  active = jnp.ones((B,), bool)
+  lone = jnp.arange(B) == 0
+  state = planner.init(B)._replace(
+      step=jnp.int32(8), next_recheck=jnp.int32(8), recheck_interval=jnp.int32(8),
+      slot_pays=jnp.zeros((B,), bool),
+      pay_margin=jnp.full((B,), av_jax.planner.WAITING, jnp.float32))
+  _, grown = planner.plan(state, probs, cost, active=active, drafting=lone)
+  G = _grown_size(probs, cost, active, lone, B - 1)
+  assert G is not None and 1 < G < B
+  np.testing.assert_array_equal(np.asarray(grown.slot_pays), np.arange(B) < G)
+  assert int(grown.recheck_interval) == 16 and int(grown.next_recheck) == 24
+  grown = grown._replace(step=jnp.int32(9))
+  drafting = planner.draft_slots(grown, active)
+  np.testing.assert_array_equal(np.asarray(drafting), np.arange(B) < G)
+  _, paid = planner.plan(grown, probs, cost, active=active, drafting=drafting)
+  # The grown group pays: its slots keep drafting and the slots still waiting reopen.
+  assert np.asarray(paid.slot_pays).all()
+  assert int(paid.recheck_interval) == 4 and int(paid.next_recheck) == 13
+  _, cheap = planner.plan(state, probs, _step_cost(), active=active, drafting=lone)
+  assert bool(cheap.slot_pays[0]) and int(cheap.recheck_interval) == 4

@@ -491,8 +491,8 @@ def _fresh_verdict(planner: PlannerState, slot: jax.Array, num_slots: int,
   kept the math request after it from drafting until a re-check, up to
   `max_recheck_every` steps later). It starts with the batch's current view: drafting
   is tried (verdict True, margin +inf: judged afresh at its first drafting step) when
-  drafting pays for some other active slot judged on its own drafts, or when no other
-  slot is active; otherwise it starts gated off (margin `WAITING`) and waits, like the
+  drafting pays for some other active slot judged on its own drafts, or when B = 1;
+  otherwise it starts gated off (margin `WAITING`) and waits, like the
   others, for a re-check or for some slot's drafts to pay (the planner then reopens it),
   so a large batch where nothing pays does not pay a drafting step for every admission
   (block at B = 64 on this CPU drafted on 38% of steps that way). Beside
@@ -500,14 +500,20 @@ def _fresh_verdict(planner: PlannerState, slot: jax.Array, num_slots: int,
   batch) the batch's last verdict decides (`PlannerState.drafting_pays`, True before any
   step): an untried slot is no evidence, and following it made every slot of a burst try
   drafting (eagle at B = 64 on this CPU: all 64 slots drafted on the first steps of every
-  run although nothing had paid before). A batch verdict (`[1]` for B > 1) is kept."""
+  run although nothing had paid before); so does a slot with no other slot active. A
+  batch verdict (`[1]` for B > 1) is kept."""
   pays, margin = planner.slot_pays, planner.pay_margin
   if pays is None or margin is None or pays.shape[0] != num_slots:
     return planner
   others = active & (jnp.arange(num_slots) != slot)
   judged = others & ~jnp.isinf(margin)  # judged on their own drafts (or gated off)
   last = jnp.asarray(True if planner.drafting_pays is None else planner.drafting_pays, bool)
-  fresh = (jnp.any(judged & pays) | ~jnp.any(others)
+  # B = 1: every request is tried. B > 1 with no other slot active (a drained batch
+  # refilled: the first slot admitted is alone for the moment) follows the batch's last
+  # verdict like a burst: trying it made one slot draft at every turnover of a batch
+  # whose requests end together (eagle at B = 8 on this CPU: a lone drafting step, about
+  # two target-only steps of cost, every 32 steps where nothing paid).
+  fresh = (jnp.any(judged & pays) | (num_slots == 1)
            | (~jnp.any(judged) & jnp.reshape(last, ())))
   return planner._replace(slot_pays=pays.at[slot].set(fresh),
                           pay_margin=margin.at[slot].set(jnp.where(fresh, jnp.inf,

@@ -40,14 +40,16 @@ def _params(cfg: ModelsConfig, kind: str) -> core.Params:
                      drafter=M.init_drafter_params(kind, cfg, jax.random.PRNGKey(1)))
 
 
-def _busy_state(engine: core.Engine, params: core.Params, *, prompt_len: int):
+def _busy_state(engine: core.Engine, params: core.Params, *, prompt_len: int,
+                key: jax.Array | None = None):
   """A state with every slot decoding (prefilled with a fixed prompt), the gate closed:
-  drafting dearer than any gain, re-checks never (after the first step, run here)."""
+  drafting dearer than any gain, re-checks never (after the first step, run here).
+  `key`: the run's PRNG key (default an rbg key; `jax.random.PRNGKey` as runs use)."""
   cfg = engine.config
   B, K = cfg.num_slots, cfg.max_draft
   cost = make_cost_model(np.full(B + 1, 1e6), 1.0 + 0.01 * np.arange(B * (K + 1) + 1))
   prefill, chunk, init = batching.compiled(engine)
-  state = init(params, jax.random.key(0, impl="rbg"), cost)
+  state = init(params, jax.random.key(0, impl="rbg") if key is None else key, cost)
   prompt = (jnp.arange(prompt_len, dtype=jnp.int32) % (cfg.max_draft + 2)) + 1
   for slot in range(B):
     state = prefill(params, state, prompt, jnp.int32(prompt_len), jnp.int32(slot),

@@ -575,6 +575,16 @@ def make_planner(
     verify_cost(R + n), f from the deepest drafted depth).
     """
     K = mask.shape[1]
+    if drafted is not None and stop == "survival" and config.stop_price_passes:
+      # Judged at the depth it drafts at while open: the next step's pass-pricing cap.
+      # Depths past it were drafted for labels (an exploring or re-checked slot runs one
+      # past the cap, or all K on a deep exploration step); charging those passes and
+      # counting their positions judged a re-check on exploration's cost (EAGLE B = 4 on
+      # this CPU: lone re-checks at depth 8 under a cap of 2-3 closed at margins -0.3 to
+      # -0.9 while drafting at the cap paid).
+      cap = new_state.depth_cap
+      within = jnp.arange(K)[None] < jnp.where(cap > 0, cap, K)
+      mask, drafted = mask & within, jnp.asarray(drafted) & within
     n = jnp.sum(mask, dtype=jnp.int32)  # the plan before exploration
     g = jnp.sum(jnp.where(mask, surv, 0.0), axis=1)  # [B]
     base = cost.verify_cost(R)

@@ -426,6 +426,33 @@ def test_a_stopped_drafting_loop_is_charged_the_passes_that_ran():
   assert np.isfinite(np.asarray(full.pay_margin)).all()
 
 
+def test_a_slot_drafted_past_the_cap_is_judged_at_the_cap():
+  """A step that drafted all K (exploration, a re-check) under pass pricing is judged as
+  the slot drafts while open: at the next step's depth cap, charged cap / K of the
+  drafting cost, on its positions up to the cap. Negative control: without pass pricing
+  (no cap) the same step is judged at depth K and closes."""
+  cost = av_jax.make_cost_model(np.full(B + 1, 2.0), 1.0 + 0.02 * np.arange(B * (K + 1) + 1))
+  active = jnp.ones((B,), bool)
+  probs = jnp.asarray(np.tile([0.9, 0.3, 0.3, 0.3], (B, 1)), jnp.float32)
+  drafted = jnp.ones((B, K), bool)
+  priced = _planner(draft_stop="survival")
+  state = priced.init(B)._replace(step=jnp.int32(1))
+  _, s = priced.plan(state, probs, cost, active=active, drafting=active, drafted=drafted)
+  cap = int(s.depth_cap)
+  assert 1 <= cap < K  # the deeper passes do not pay
+  within = np.arange(K)[None] < cap
+  want = _margins(np.where(within, probs, 0.0), cost, active, np.ones(B, bool),
+                  share=cap / K)
+  np.testing.assert_allclose(np.asarray(s.pay_margin), want, rtol=1e-5)
+  assert (want > 0).all() and np.asarray(s.slot_pays).all()
+  unpriced = _planner(draft_stop="survival", stop_price_passes=False)
+  _, u = unpriced.plan(unpriced.init(B)._replace(step=jnp.int32(1)), probs, cost,
+                       active=active, drafting=active, drafted=drafted)
+  full = _margins(probs, cost, active, np.ones(B, bool), share=1.0)
+  np.testing.assert_allclose(np.asarray(u.pay_margin), full, rtol=1e-5)
+  assert (full < 0).all() and not np.asarray(u.slot_pays).any()
+
+
 def test_pay_smoothing_is_checked():
   for bad in (0.0, 1.5, -0.1, True, "x"):
     with pytest.raises(ValueError, match="pay_smoothing"):

@@ -91,16 +91,17 @@ def summarize(events: list[dict], instrs: dict, *, steps: int) -> dict:
 
 
 def profile(models, *, drafter: str, concurrency: int, max_draft: int = 8, max_len: int = 80,
-            prompt_len: int = 32, steps: int = 8, chunks: int = 5) -> dict:
-  """Traces `chunks` chunks of `steps` gated-off steps of each arm (target-only, AV)."""
-  if steps < 1 or chunks < 1:
-    raise ValueError(f"steps, chunks: expected >= 1, got {steps}, {chunks}")
+            prompt_len: int = 32, steps: int = 8, chunks: int = 3, rounds: int = 3) -> dict:
+  """Traces `rounds` x `chunks` chunks of `steps` gated-off steps of each arm
+  (target-only, AV), the arms' rounds interleaved."""
+  if steps < 1 or chunks < 1 or rounds < 1:
+    raise ValueError(f"steps, chunks, rounds: expected >= 1, got {steps}, {chunks}, {rounds}")
   if max_len < prompt_len + steps + max_draft + 4:
     raise ValueError(f"max_len: expected >= prompt_len + steps + max_draft + 4 = "
                      f"{prompt_len + steps + max_draft + 4}, got {max_len}")
   params = gate_cost._params(models, drafter)
   kind = M.make_drafter(drafter, models)
-  result = {}
+  arms = {}
   for mode in ("target_only", "av"):
     config = core.EngineConfig(mode=mode, num_slots=concurrency, max_draft=max_draft,
                                max_len=max_len, steps_per_chunk=steps, explore_every=1,
@@ -112,16 +113,29 @@ def profile(models, *, drafter: str, concurrency: int, max_draft: int = 8, max_l
     state, _ = jax.jit(lambda p, s: core.step(engine, p, s))(params, state)  # closes the gate
     run = jax.jit(lambda p, s: core.run_chunk(engine, p, s, steps), donate_argnums=1)
     instrs = instructions(run.lower(params, state).compile().as_text())
-    fresh = lambda: jax.block_until_ready(jax.tree.map(jnp.copy, state))
+    fresh = lambda state=state: jax.block_until_ready(jax.tree.map(jnp.copy, state))
     _, info = jax.block_until_ready(run(params, fresh()))  # compile and warm up
-    drafted = int(jnp.sum(info.drafting))
-    copies = [fresh() for _ in range(chunks)]
+    arms[mode] = (run, fresh, instrs, int(jnp.sum(info.drafting)))
+
+  def traced(mode, n):
+    run, fresh = arms[mode][:2]
+    copies = [fresh() for _ in range(n)]
     with tempfile.TemporaryDirectory() as folder:
       with jax.profiler.trace(folder):
         for c in copies:
           jax.block_until_ready(run(params, c))
-      events = read_trace(folder)
-    result[mode] = dict(summarize(events, instrs, steps=steps), drafted=drafted)
+      return read_trace(folder)
+
+  traced("av", 1)  # the profiler's first session starts slower: not counted
+  events = {mode: [] for mode in arms}
+  for r in range(rounds):  # interleaved, so machine noise hits both arms alike
+    for mode in arms:
+      for e in traced(mode, chunks):
+        if "run_id" in e.get("args", {}):  # run ids are unique within a session only
+          e["args"]["run_id"] = f"{r}:{e['args']['run_id']}"
+        events[mode].append(e)
+  result = {mode: dict(summarize(events[mode], arms[mode][2], steps=steps),
+                       drafted=arms[mode][3]) for mode in arms}
   return result
 
 
@@ -142,14 +156,15 @@ def main(argv=None) -> None:
   p.add_argument("--max-len", type=int, default=80, help="cache positions per slot")
   p.add_argument("--prompt-len", type=int, default=32, help="tokens prefilled per slot")
   p.add_argument("--steps", type=int, default=8, help="steps per traced chunk")
-  p.add_argument("--chunks", type=int, default=5, help="traced chunks per arm")
+  p.add_argument("--chunks", type=int, default=3, help="traced chunks per arm and round")
+  p.add_argument("--rounds", type=int, default=3, help="interleaved trace rounds per arm")
   p.add_argument("--top", type=int, default=12, help="keys listed")
   p.add_argument("--json", default="", help="write the figures to this file")
   args = p.parse_args(argv)
   result = profile(M.load_config(args.config), drafter=args.drafter,
                    concurrency=args.concurrency, max_draft=args.max_draft,
                    max_len=args.max_len, prompt_len=args.prompt_len, steps=args.steps,
-                   chunks=args.chunks)
+                   chunks=args.chunks, rounds=args.rounds)
   print(f"device: {jax.devices()[0].device_kind} (under jax.profiler), models: {args.config}, "
         f"{args.drafter}, B = {args.concurrency}, K = {args.max_draft}, cache {args.max_len}")
   for mode in ("target_only", "av"):

@@ -29,13 +29,13 @@ ENTRY %main {
 @pytest.fixture(scope="module")
 def tiny_profile():
   return step_profile.profile(M.load_config("tiny"), drafter="block", concurrency=2,
-                              max_len=48, prompt_len=8, steps=4, chunks=2)
+                              max_len=48, prompt_len=8, steps=4, chunks=1, rounds=2)
 
 
 def test_both_arms_traced_per_step(tiny_profile):
   for mode in ("target_only", "av"):
     r = tiny_profile[mode]
-    assert r["executions"] == 2, mode  # one run id per traced chunk
+    assert r["executions"] == 2, mode  # one run id per traced chunk (1 x 2 rounds)
     assert r["wall_ms"] > 0 and r["thunks"] > 10 and r["thunk_ms"] > 0
     assert r["drafted"] == 0  # the gate held: these are gated-off steps
   # AV's step runs the decision on top of the same target pass: more thunks per step.
@@ -57,5 +57,5 @@ def test_bad_arguments_name_themselves():
   with pytest.raises(ValueError, match="max_len"):
     step_profile.profile(M.load_config("tiny"), drafter="block", concurrency=2, max_len=10,
                          prompt_len=8, steps=4)
-  with pytest.raises(ValueError, match="steps, chunks"):
+  with pytest.raises(ValueError, match="steps, chunks, rounds"):
     step_profile.profile(M.load_config("tiny"), drafter="block", concurrency=2, steps=0)

@@ -48,7 +48,6 @@ from av_jax.arms import ARMS, get_arm, parse_arm
 from av_jax.engine import clock as modelled_clock
 from av_jax.engine import core
 from av_jax.engine import profile as prof
-from av_jax.selection import make_cost_model
 
 MIXED = "mixed"  # every workload, interleaved request by request
 STATIC_MODES = ("target_only", "fixed")  # arms whose budget does not adapt
@@ -211,7 +210,7 @@ def deployment_tables(clock: ClockSpec, *, drafter_kind: str, num_slots: int,
                      f"{depth.shape[1]} depths; the engine needs R <= {num_slots} and "
                      f"K = {max_draft}")
   depth = depth[:num_slots + 1, :max_draft]
-  cost = make_cost_model(depth.sum(axis=1), tables.cost.verify_ms)
+  cost = costs.depth_cost_model(depth, tables.cost.verify_ms)
   return tables._replace(cost=cost, draft_depth_ms=depth)
 
 

@@ -755,6 +755,31 @@ class CostTables(NamedTuple):
   terms: dict                 # per-bucket ms of each roofline term (empty if measured)
 
 
+def draft_fixed_from_depths(draft_depth_ms) -> np.ndarray:
+  """`[R_max + 1]`: the part of a row's drafting cost paid whatever depth is drafted.
+
+  Drafting c of K depths costs the row's first c entries; the planner prices it
+  `fixed + (c / K) (full - fixed)` (`CostModel.draft_share_cost`), exact at c = 1 and
+  c = K with `fixed = depth_1 - mean(depth_2..K)`, clipped to [0, full]. An autoregressive
+  drafter's first depth consumes the pending block (K + 1 tokens a request) and costs
+  more than each later one; a parallel drafter pays everything at depth 1 (fixed = full).
+  """
+  depth = np.asarray(draft_depth_ms, np.float64)
+  full = depth.sum(axis=1)
+  if depth.shape[1] < 2:
+    return full
+  fixed = depth[:, 0] - depth[:, 1:].mean(axis=1)
+  return np.clip(fixed, 0.0, full)
+
+
+def depth_cost_model(draft_depth_ms, verify_ms) -> CostModel:
+  """The planner's `CostModel` of a per-depth draft table and a verify table: a row's
+  full K-depth sum, its fixed part (`draft_fixed_from_depths`) and `verify_ms`."""
+  depth = np.asarray(draft_depth_ms, np.float64)
+  return make_cost_model(depth.sum(axis=1), verify_ms,
+                         draft_fixed_ms=draft_fixed_from_depths(depth))
+
+
 def _resolve_buckets(buckets: Sequence[int] | None, max_tokens: int) -> tuple[int, ...]:
   if buckets is None:
     return tuple(range(1, max_tokens + 1))
@@ -855,7 +880,7 @@ def roofline_costs(target: str | ModelShape, drafter: str | ModelShape | None,
     if impl.drafts_all_slots:
       depth_ms[0] = depth_ms[num_slots]
   verify = _step_function(sizes, bucket_ms, max_tokens)
-  cost = make_cost_model(depth_ms.sum(axis=1), verify)
+  cost = depth_cost_model(depth_ms, verify)
   drafter_name = "no drafter" if drafter is None else f"{drafter.name} ({mode})"
   label = (f"modelled: {device.name}, target {target.name}, {drafter_name}, B={num_slots}, "
            f"K={max_draft}, context {context_len}, {impl.name} kernels")
@@ -947,7 +972,7 @@ def cost_tables_from_dict(blob: Mapping[str, Any], *, max_tokens: int | None = N
                      f"{depth.shape}")
   top = buckets[-1] if max_tokens is None else int(max_tokens)
   verify = _step_function(buckets, bucket_ms, top)
-  cost = make_cost_model(depth.sum(axis=1), verify)
+  cost = depth_cost_model(depth, verify)
   return CostTables(cost=cost, draft_depth_ms=depth, buckets=tuple(buckets),
                     bucket_ms=bucket_ms, label=str(blob.get("label", "measured")), terms={})
 

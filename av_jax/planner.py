@@ -561,7 +561,7 @@ def make_planner(
     Slot b of D (active, drafted) is judged on the counterfactual step in which every
     active slot drafts and verifies like b: relative pay margin
     m_b = g_b verify_cost(R) / (C_b - verify_cost(R)) - 1, with g_b the expected accepted
-    drafts of b's n_b verified positions, C_b = f_b draft_cost(R) + verify_cost(R + R n_b)
+    drafts of b's n_b verified positions, C_b = draft_share_cost(R, f_b) + verify_cost(R + R n_b)
     and f_b = (b's drafted depth) / K the share of the drafter passes that ran (1 unless a
     drafting stop ended b's drafting early); exploration's extra positions are not part
     of n_b and g_b (docs/algorithm.md section 8.1). m_b > 0 iff that step earns more
@@ -571,7 +571,7 @@ def make_planner(
     not pay (a = `pay_smoothing`); it pays while the smoothed margin is > 0, so one
     unlucky step does not close the gate on a slot whose drafts pay on average, and a
     re-check opens it on fresh evidence. A `[1]` state judges D as one slot on the step
-    that ran (the batch rule (R + sum_b g_b) / C > rho, C = f draft_cost(d) +
+    that ran (the batch rule (R + sum_b g_b) / C > rho, C = draft_share_cost(d, f) +
     verify_cost(R + n), f from the deepest drafted depth).
     """
     K = mask.shape[1]
@@ -596,7 +596,7 @@ def make_planner(
       own = jnp.where(depth > 0, depth / K, 1.0).astype(jnp.float32)     # [B]
     if pays_before.shape[0] == 1 and planned.shape[0] > 1:
       # The batch rule: this step as it ran, its gain against its extra cost.
-      step_cost = share * cost.draft_cost(d) + cost.verify_cost(R + n)
+      step_cost = cost.draft_share_cost(d, share) + cost.verify_cost(R + n)
       extra = R * (step_cost - base)  # the drafting step's extra, in token-cost units
       value = (jnp.sum(jnp.where(mask, surv, 0.0)) * base)[None]
       judged = (d > 0)[None]
@@ -607,7 +607,7 @@ def make_planner(
       # what all R rows cost) and never reopen.
       n_b = jnp.sum(mask, axis=1, dtype=jnp.int32)                    # [B]
       tokens = jnp.minimum(R + R * n_b, cost.verify_ms.shape[0] - 1)
-      step_cost = own * cost.draft_cost(R) + cost.verify_cost(tokens)     # [B]
+      step_cost = cost.draft_share_cost(R, own) + cost.verify_cost(tokens)  # [B]
       extra = R * (step_cost - base)
       value = g * R.astype(jnp.float32) * base
       judged = planned
@@ -624,7 +624,7 @@ def make_planner(
       # The group check. A slot is judged as if every active slot drafted like it, but
       # only the slots that pay draft: the drafter pass is shared by that group alone.
       # When the group of this step's drafting slots that pay does not pay as a group on
-      # the step it would run (its gain against f draft_cost(|P|) + verify_cost(R + n_P),
+      # the step it would run (its gain against draft_share_cost(|P|, f) + verify_cost(R + n_P),
       # f from its deepest drafted depth), either it cannot grow into a group that pays
       # (it closes) or enough joinable slots (not judged on drafts of their own) try
       # drafting at the next step (judged afresh there), so a group that pays only
@@ -635,7 +635,7 @@ def make_planner(
       own_b = jnp.broadcast_to(own, P.shape)
       group_share = jnp.max(jnp.where(P, own_b, 0.0))
       n_P = jnp.sum(jnp.where(P, n_b, 0), dtype=jnp.int32)
-      group_cost = (group_share * cost.draft_cost(jnp.sum(P, dtype=jnp.int32))
+      group_cost = (cost.draft_share_cost(jnp.sum(P, dtype=jnp.int32), group_share)
                     + cost.verify_cost(jnp.minimum(R + n_P, cost.verify_ms.shape[0] - 1)))
       # Each slot's gain as its smoothed margin says (the per-slot rule solved for g_b
       # at this step's costs), so one unlucky step does not close a group whose drafts
@@ -660,7 +660,7 @@ def make_planner(
       per_n = n_P.astype(jnp.float32) / jnp.maximum(size_P, 1).astype(jnp.float32)
       sizes = jnp.arange(1, planned.shape[0] + 1, dtype=jnp.int32)                # [B]
       grown_n = jnp.round(sizes * per_n).astype(jnp.int32)
-      grown_cost = (group_share * cost.draft_cost(sizes) + cost.verify_cost(
+      grown_cost = (cost.draft_share_cost(sizes, group_share) + cost.verify_cost(
           jnp.minimum(R + grown_n, cost.verify_ms.shape[0] - 1)))
       grown_pays = ((R + sizes * per_g) * base > R * grown_cost) & (sizes > size_P) & (
           sizes <= size_P + jnp.sum(joinable, dtype=jnp.int32))

@@ -26,11 +26,29 @@ class CostModel(NamedTuple):
   """
   draft_ms: jax.Array   # [R_max + 1] float32, drafting cost with R active requests
   verify_ms: jax.Array  # [T_max + 1] float32, target cost to verify T tokens
+  # [R_max + 1] float32 or None (zero), the part of `draft_ms` an autoregressive drafter
+  # pays whatever depth it drafts to (its first pass consumes the pending block, a
+  # drafting step gathers and scatters its rows): drafting c of K passes costs
+  # `fixed + (c / K) (draft - fixed)` (`draft_share_cost`). Unused by parallel drafters.
+  draft_fixed_ms: jax.Array | None = None
 
   def draft_cost(self, num_requests: jax.typing.ArrayLike) -> jax.Array:
     """Drafting cost with `num_requests` active requests (any shape); beyond the table,
     its last entry."""
     return self.draft_ms[jnp.minimum(num_requests, self.draft_ms.shape[0] - 1)]
+
+  def draft_share_cost(self, num_requests: jax.typing.ArrayLike,
+                       share: jax.typing.ArrayLike) -> jax.Array:
+    """Drafting cost of `share` (c / K, in [0, 1]) of an autoregressive drafter's K
+    passes with `num_requests` requests: `fixed + share (draft - fixed)`, shapes
+    broadcast. Without a fixed part (None), `share * draft_cost` (the passes priced
+    alike)."""
+    full = self.draft_cost(num_requests)
+    if self.draft_fixed_ms is None:
+      return share * full
+    index = jnp.minimum(num_requests, self.draft_fixed_ms.shape[0] - 1)
+    fixed = jnp.minimum(self.draft_fixed_ms[index], full)
+    return fixed + share * (full - fixed)
 
   def verify_cost(self, num_tokens: jax.typing.ArrayLike) -> jax.Array:
     """Target cost to verify `num_tokens` tokens (any shape); beyond the table, its last
@@ -38,7 +56,8 @@ class CostModel(NamedTuple):
     return self.verify_ms[jnp.minimum(num_tokens, self.verify_ms.shape[0] - 1)]
 
 
-def make_cost_model(draft_ms, verify_ms, *, min_cost: float = 1e-6) -> CostModel:
+def make_cost_model(draft_ms, verify_ms, *, min_cost: float = 1e-6,
+                    draft_fixed_ms=None) -> CostModel:
   """Validates measured cost tables and makes them monotone (host-side, once).
 
   Repairs are made with a `UserWarning` saying what was changed, so a broken profile is
@@ -58,9 +77,14 @@ def make_cost_model(draft_ms, verify_ms, *, min_cost: float = 1e-6) -> CostModel
     draft_ms: `[R_max + 1]` drafting cost for 0..R_max active requests.
     verify_ms: `[T_max + 1]` verification cost for 0..T_max verified tokens.
     min_cost: floor applied to every entry so no ratio divides by zero.
+    draft_fixed_ms: optional `[R_max + 1]`, the part of each `draft_ms` entry an
+      autoregressive drafter pays whatever depth it drafts to (`CostModel.draft_share_cost`);
+      default zeros (c of K passes cost c / K of the entry). Entries above their
+      `draft_ms` entry are clipped to it (with a `UserWarning`).
 
   Returns:
-    A `CostModel` whose tables are running maxima (cost never falls as work grows).
+    A `CostModel` whose tables are running maxima (cost never falls as work grows) and
+    whose `draft_fixed_ms` is an array (zeros when not given).
 
   Raises:
     ValueError: naming the table, if it is missing (None), empty, not 1-D, or holds
@@ -95,6 +119,23 @@ def make_cost_model(draft_ms, verify_ms, *, min_cost: float = 1e-6) -> CostModel
           f"{_some(fallen)} (worst: entry {worst} is {floored[worst]:g}, below an earlier "
           f"{repaired[worst]:g}); repaired to the running maximum.", stacklevel=2)
     tables[name] = jnp.asarray(repaired, jnp.float32)
+  draft = np.asarray(tables["draft_ms"], np.float64)
+  if draft_fixed_ms is None:
+    fixed = np.zeros_like(draft)
+  else:
+    fixed = np.asarray(draft_fixed_ms, np.float64)
+    if fixed.shape != draft.shape:
+      raise ValueError(f"draft_fixed_ms: expected shape {draft.shape} (that of draft_ms), "
+                       f"got {fixed.shape}")
+    if not np.all(np.isfinite(fixed)) or np.any(fixed < 0):
+      raise ValueError(f"draft_fixed_ms: expected finite, non-negative costs, got {fixed}")
+    above = np.flatnonzero(fixed > draft * (1 + 1e-6))
+    if above.size:
+      warnings.warn(
+          f"draft_fixed_ms: {above.size} entries exceed their draft_ms entry (at R = "
+          f"{_some(above)}); clipped to it.", stacklevel=2)
+    fixed = np.minimum(fixed, draft)
+  tables["draft_fixed_ms"] = jnp.asarray(fixed, jnp.float32)
   return CostModel(**tables)
 
 

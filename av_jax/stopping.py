@@ -432,7 +432,7 @@ def extrapolate(survival: jax.typing.ArrayLike, drafted: jax.typing.ArrayLike, *
 
 
 def _depth_table(survival, drafted, cost, *, active, num_drafting):
-  """Per cap c = 1..K: the best ratio `(R + s_(1..n)) / ((c/K) draft + verify(R + n))`
+  """Per cap c = 1..K: the best ratio `(R + s_(1..n)) / (draft_share_cost(d, c/K) + verify(R + n))`
   over the drafted positions at depths <= c, and its n (the budget). `[K]`, `[K]`."""
   survival, drafted, active = _check_bk(survival, drafted, active)
   B, K = survival.shape
@@ -447,7 +447,7 @@ def _depth_table(survival, drafted, cost, *, active, num_drafting):
   counts = jnp.cumsum(inside, axis=1, dtype=jnp.int32)
   gains = jnp.concatenate([jnp.zeros((K, 1)), gains], axis=1)               # n = 0 first
   counts = jnp.concatenate([jnp.zeros((K, 1), jnp.int32), counts], axis=1)
-  draft = (caps[:, None] / K) * cost.draft_cost(d)
+  draft = cost.draft_share_cost(d, caps[:, None] / K)
   tokens = R + counts
   ratio = (R + gains) / jnp.maximum(draft + cost.verify_cost(tokens), 1e-12)
   ratio = jnp.where(tokens < cost.verify_ms.shape[0], ratio, -jnp.inf)
@@ -462,7 +462,7 @@ def optimal_depth(survival: jax.typing.ArrayLike, drafted: jax.typing.ArrayLike,
 
   For every cap c = 1..K: the positions at depths <= c that were drafted, their
   throughput-optimal budget and its ratio
-  `(R + s_(1) + ... + s_(n)) / ((c / K) draft_cost(d) + verify_cost(R + n))` (the budget
+  `(R + s_(1) + ... + s_(n)) / (draft_share_cost(d, c / K) + verify_cost(R + n))` (the budget
   rule of section 4 with the drafter charged for the c of its K passes that ran); the
   answer is the c of the largest ratio, ties to the smaller c. Positions deeper than a
   request's drafted depth are unknown and count for nothing (pass `extrapolate`'s

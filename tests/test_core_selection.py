@@ -148,6 +148,28 @@ def test_make_cost_model_repairs_non_monotone_and_zero():
   np.testing.assert_allclose(cost.verify_ms, [3.0, 3.0, 4.0, 4.0])
 
 
+def test_draft_fixed_part_prices_passes_affinely_and_is_checked():
+  """`draft_fixed_ms`: c of K passes cost fixed + (c / K)(draft - fixed); default zeros
+  (the passes priced alike, as a `CostModel` built without it); bad tables named."""
+  cost = av_jax.make_cost_model([1.0, 4.0, 8.0], [1.0, 2.0], draft_fixed_ms=[0.0, 2.0, 2.0])
+  share = jnp.asarray([0.25, 0.5, 1.0])
+  np.testing.assert_allclose(cost.draft_share_cost(2, share), [3.5, 5.0, 8.0], rtol=1e-6)
+  np.testing.assert_allclose(cost.draft_share_cost(jnp.arange(3), 0.5), [0.5, 3.0, 5.0],
+                             rtol=1e-6)
+  alike = av_jax.make_cost_model([1.0, 4.0, 8.0], [1.0, 2.0])
+  np.testing.assert_array_equal(alike.draft_fixed_ms, np.zeros(3))
+  assert float(alike.draft_share_cost(2, 0.25)) == pytest.approx(2.0)
+  raw = av_jax.CostModel(draft_ms=jnp.asarray([1.0, 8.0]), verify_ms=jnp.asarray([1.0, 2.0]))
+  assert float(raw.draft_share_cost(1, 0.25)) == pytest.approx(2.0)  # None: no fixed part
+  with pytest.raises(ValueError, match="draft_fixed_ms: expected shape"):
+    av_jax.make_cost_model([1.0, 2.0], [1.0], draft_fixed_ms=[0.0])
+  with pytest.raises(ValueError, match="draft_fixed_ms: expected finite"):
+    av_jax.make_cost_model([1.0, 2.0], [1.0], draft_fixed_ms=[0.0, -1.0])
+  with pytest.warns(UserWarning, match="draft_fixed_ms: 1 entries exceed"):
+    over = av_jax.make_cost_model([1.0, 2.0], [1.0], draft_fixed_ms=[0.5, 3.0])
+  np.testing.assert_allclose(over.draft_fixed_ms, [0.5, 2.0])
+
+
 def test_planner_policies():
   B, K = 4, 3
   probs = jnp.full((B, K), 0.9)

@@ -99,6 +99,27 @@ def test_per_depth_draft_costs_add_up_to_the_totals():
   np.testing.assert_allclose(flat.cost.draft_ms, np.full(9, flat.cost.draft_ms[0]))
 
 
+def test_the_planners_pass_price_matches_the_depth_table():
+  """The planner's price of c of K depths (`draft_share_cost`) is what the modelled
+  clock charges (the row's first c entries): exact at every c for an autoregressive
+  drafter (a dear first depth, equal later ones), and a parallel drafter's row is all
+  fixed. Negative control: the passes priced alike under-price a shallow step."""
+  ar = costs.roofline_costs("llama3-8b", "llama3-8b-eagle3", "h200",
+                            drafter_kind="eagle3", num_slots=16, max_draft=6, context_len=1024)
+  depth, K = ar.draft_depth_ms, 6
+  for r in (1, 4, 16):
+    for c in range(1, K + 1):
+      priced = float(ar.cost.draft_share_cost(r, c / K))
+      assert priced == pytest.approx(depth[r, :c].sum(), rel=1e-5)
+  alike = float(ar.cost.draft_cost(16)) / K
+  assert alike < 0.9 * depth[16, 0]
+  np.testing.assert_allclose(costs.draft_fixed_from_depths([[3.0, 1.0, 1.0], [1.0, 2.0, 0.0]]),
+                             [2.0, 0.0])
+  par = costs.roofline_costs("llama3-8b", "llama3-8b-dflash", "h200", drafter_kind="parallel",
+                             num_slots=4, max_draft=6, context_len=1024)
+  np.testing.assert_allclose(par.cost.draft_fixed_ms[1:], par.cost.draft_ms[1:], rtol=1e-6)
+
+
 def test_shipped_shapes_follow_the_config_and_count_the_real_parameters():
   cfg = M.load_config("tiny")
   shape = costs.get_shape("tiny")

@@ -318,7 +318,8 @@ def test_batch_state_is_the_batch_rule():
 def _margins(probs, cost, active, drafting, share=1.0):
   """The relative pay margin m_b = g_b verify_cost(R) / (C_b - verify_cost(R)) - 1 in
   NumPy, C_b (every active slot drafting and verifying like b) charging `share` of the
-  drafting cost; NaN for slots not judged."""
+  drafting cost's passes and all of its fixed part (`draft_fixed_ms`); NaN for slots
+  not judged."""
   probs, active, drafting = map(np.asarray, (probs, active, drafting))
   _, mask = _reference_pays(probs, cost, active, drafting)
   draft_ms, verify_ms = (np.asarray(t, np.float64) for t in (cost.draft_ms, cost.verify_ms))
@@ -327,8 +328,10 @@ def _margins(probs, cost, active, drafting, share=1.0):
   R = int(active.sum())
   g = np.where(mask, surv, 0.0).sum(axis=1)
   n_b = mask.sum(axis=1)
-  extra = (share * draft_ms[R] + verify_ms[np.minimum(R + R * n_b, len(verify_ms) - 1)]
-           - verify_ms[R])
+  fixed = (0.0 if cost.draft_fixed_ms is None
+           else min(float(cost.draft_fixed_ms[R]), draft_ms[R]))
+  extra = (fixed + share * (draft_ms[R] - fixed)
+           + verify_ms[np.minimum(R + R * n_b, len(verify_ms) - 1)] - verify_ms[R])
   m = np.clip(g * verify_ms[R] / extra - 1.0, -1.0, 4.0)
   return np.where(D, m, np.nan)
 
@@ -451,6 +454,31 @@ def test_a_slot_drafted_past_the_cap_is_judged_at_the_cap():
   full = _margins(probs, cost, active, np.ones(B, bool), share=1.0)
   np.testing.assert_allclose(np.asarray(u.pay_margin), full, rtol=1e-5)
   assert (full < 0).all() and not np.asarray(u.slot_pays).any()
+
+
+def test_the_drafters_fixed_part_is_charged_whatever_the_depth():
+  """Pass pricing with a fixed part (`draft_fixed_ms`: the first pass over the pending
+  block, the step's gather and scatter): a slot judged at the cap is charged the fixed
+  part and cap / K of the rest (NumPy reference). The same drafts that pay when the
+  passes are priced alike (the negative control, fixed part 0) do not pay once a
+  depth-1 step costs what it does."""
+  verify = 1.0 + 0.02 * np.arange(B * (K + 1) + 1)
+  active, drafted = jnp.ones((B,), bool), jnp.ones((B, K), bool)
+  probs = jnp.asarray(np.tile([0.9, 0.3, 0.3, 0.3], (B, 1)), jnp.float32)
+  priced = _planner(draft_stop="survival")
+  verdicts = {}
+  for fixed in (0.0, 1.5):
+    cost = av_jax.make_cost_model(np.full(B + 1, 2.0), verify,
+                                  draft_fixed_ms=np.full(B + 1, fixed))
+    state = priced.init(B)._replace(step=jnp.int32(1))
+    _, s = priced.plan(state, probs, cost, active=active, drafting=active, drafted=drafted)
+    cap = int(s.depth_cap)
+    assert 1 <= cap < K  # the deeper passes do not pay
+    want = _margins(np.where(np.arange(K)[None] < cap, probs, 0.0), cost, active,
+                    np.ones(B, bool), share=cap / K)
+    np.testing.assert_allclose(np.asarray(s.pay_margin), want, rtol=1e-5)
+    verdicts[fixed] = np.asarray(s.slot_pays)
+  assert verdicts[0.0].all() and not verdicts[1.5].any()
 
 
 def test_pay_smoothing_is_checked():

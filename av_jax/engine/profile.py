@@ -87,10 +87,36 @@ def measure(engine: core.Engine, params: core.Params, *, repeats: int = 5) -> di
 
     timers = [(lambda: draft_ms) if e == B else draft_timer(e) for e in sizes]
     profile["draft_bucket_ms"] = retime_falls(timers)
+  if core._stepwise(engine):
+    # Pass pricing charges c of K passes `fixed + (c / K) (full - fixed)`: the fixed part
+    # from the drafter's program at depth 1 (its first pass consumes the K + 1 pending
+    # columns and costs more than a later one). Per draft bucket under the gate.
+    def first_timer(e):
+      rows = dstate if e == B else drafters.take_slots(dstate, jnp.arange(e, dtype=jnp.int32))
+      return lambda: _median_ms(draft_first, params.drafter, params.target, rows,
+                                jax.random.key(1, impl="rbg"), repeats=repeats)
+
+    def draft_first(dp, tp, ds, key):
+      out = engine.drafter.draft(dp, tp, ds, key, K=1, temperature=cfg.temperature,
+                                 top_p=cfg.top_p)
+      return out.logits, out.tokens, out.log_probs
+
+    draft_first = jax.jit(draft_first)
+    sizes = profile.get("draft_buckets", [B])
+    profile["draft_first_ms"] = retime_falls([first_timer(e) for e in sizes])
+  if engine.decider.planner.gated:
     profile["step_ms"] = retime_regimes(
         profile, lambda: whole_step_ms(engine, params, state, repeats=repeats),
         num_slots=B, max_tokens=B * (K + 1))
   return profile
+
+
+def shallow_regime(engine: core.Engine) -> bool:
+  """Whether `whole_step_ms` times the "shallow" regime: an autoregressive drafter under
+  pass pricing (the batch's depth cap), which drafts a few of its K depths while open."""
+  planner = engine.decider.planner
+  return (core._stepwise(engine) and planner.stop == "survival"
+          and planner.config.stop_price_passes)
 
 
 def retime_regimes(profile: dict, timer, *, num_slots: int, max_tokens: int,
@@ -111,9 +137,11 @@ def retime_regimes(profile: dict, timer, *, num_slots: int, max_tokens: int,
            if t_a < t_b):
       break
     again = timer()
-    steps = {k: (min(v, again[k]) if k in ("skip", "one", "full") else v)
-             for k, v in steps.items()}
+    steps = {k: (min(v, again[k]) if k in _REGIMES else v) for k, v in steps.items()}
   return steps
+
+
+_REGIMES = ("skip", "one", "full", "shallow")
 
 
 def retime_falls(timers, *, rounds: int = 2) -> list[float]:
@@ -146,9 +174,15 @@ def whole_step_ms(engine: core.Engine, params: core.Params, state: core.DecodeSt
   step: "skip", a gated-off step (no slot drafts, no re-check due: a target-only step of
   B requests); "one", slot 0 alone drafting all K and verifying them (the smallest draft
   bucket: the step a gate that keeps a few slots drafting runs most); "full", every slot
-  drafting all K and verifying them (free verification in the plan, no survival stop).
-  Returns `{"skip", "one", "full": ms per step, "skip_rows", "one_rows", "full_rows":
-  drafter rows run, "one_verified", "full_verified": drafts verified per step}`.
+  drafting all K and verifying them (free verification in the plan, no survival stop);
+  with pass pricing (`shallow_regime`) also "shallow", every slot drafting under a depth
+  cap of 1 (drafter passes priced so dear that the cap stays there but for the probe
+  after an exploration step, and every slot's verdict so far above zero that it stays
+  open): the step the gate runs most for an autoregressive drafter, its whole-step
+  overhead (gather, settle, rejection over K + 1 columns, scatter) paid for one or two
+  passes. Returns `{"skip", "one", "full"(, "shallow"): ms per step, "<regime>_rows":
+  drafter rows run, "<regime>_verified": drafts verified per step (not "skip"),
+  "shallow_passes": drafter passes per step}`.
   """
   cfg = engine.config
   B, K, M, S = cfg.num_slots, cfg.max_draft, cfg.max_len, cfg.steps_per_chunk
@@ -171,6 +205,17 @@ def whole_step_ms(engine: core.Engine, params: core.Params, state: core.DecodeSt
                                tau=jnp.zeros_like(planner.tau),
                                depth_cap=jnp.zeros_like(planner.depth_cap),
                                step=jnp.ones_like(planner.step))}
+  if shallow_regime(engine):
+    regimes["shallow"] = planner._replace(
+        slot_pays=jnp.ones_like(planner.slot_pays),
+        pay_margin=jnp.full_like(planner.pay_margin, 1e6),
+        budget=jnp.asarray(B, planner.budget.dtype), tau=jnp.zeros_like(planner.tau),
+        depth_cap=jnp.ones_like(planner.depth_cap), step=jnp.ones_like(planner.step))
+  # Passes priced dear (1e3 a pass against a verify table of ~1): (R + g_1) / 1 >=
+  # (R + g_1 + g_2) / 2 since g_2 <= R, so a depth of 1 is always the best cap.
+  pricey = make_cost_model(np.full(B + 1, 1e3 * K), 1.0 + 1e-6 * np.arange(B * (K + 1) + 1))
+  pricey = jax.tree.map(lambda new, old: jnp.asarray(new, old.dtype), pricey, state.cost)
+  tables = {"skip": default, "shallow": pricey}
   chunk = batching.compiled(engine)[1]
   out = {}
   s = jax.tree.map(lambda x: x.copy(), state)  # the chunk donates its state
@@ -179,7 +224,7 @@ def whole_step_ms(engine: core.Engine, params: core.Params, state: core.DecodeSt
       copy = lambda tree: jax.tree.map(lambda x: x.copy(), tree)
       return s._replace(active=jnp.ones((B,), bool), length=jnp.array(length, copy=True),
                         max_new=jnp.full((B,), M, jnp.int32), planner=copy(fixed),
-                        cost=copy(default if name == "skip" else free))
+                        cost=copy(tables.get(name, free)))
     times, info = [], None
     for i in range(repeats + 2):  # two warm-up chunks
       s = jax.block_until_ready(fresh(s))
@@ -193,6 +238,10 @@ def whole_step_ms(engine: core.Engine, params: core.Params, state: core.DecodeSt
     else:
       out[f"{name}_verified"] = float(np.mean(info.verified))
       out[f"{name}_rows"] = int(np.max(info.draft_rows))
+      out[f"{name}_row_steps"] = [int(r) for r in np.asarray(info.draft_rows)]
+    if name == "shallow":
+      out["shallow_passes"] = float(np.mean(info.draft_passes))
+      out["shallow_verified_steps"] = [int(v) for v in np.asarray(info.verified)]
   return out
 
 
@@ -201,8 +250,13 @@ def step_anchors(profile: dict, *, num_slots: int, max_tokens: int) -> list[tupl
 
   From `profile["step_ms"]` (docs/algorithm.md 8.2): a gated-off step verifies B tokens
   and costs `skip`; the one-slot step verifies B + K and costs `one` less the smallest
-  draft bucket's program; the full step verifies B (K + 1) and costs `full` less the
-  drafter's program for all B slots. Empty for a profile without whole-step times.
+  draft bucket's program (on each step, the bucket of the rows that ran: full backlogs
+  absorbed there widen it); the full step verifies B (K + 1) and costs `full` less the
+  drafter's program for all B slots; the shallow step (pass pricing) verifies B + its
+  mean drafts verified and costs `shallow` less its passes priced by the drafter's
+  tables (`draft_share_cost(B, passes / K)`), at the tokens of its median step (so the
+  anchor carries exploration's amortized extra verification). Empty for a profile without whole-step
+  times.
   """
   steps = profile.get("step_ms")
   if not steps:
@@ -210,9 +264,23 @@ def step_anchors(profile: dict, *, num_slots: int, max_tokens: int) -> list[tupl
   B, T = num_slots, max_tokens
   K = (T - B) // B
   anchors = [(B, float(steps["skip"]))]
+  draft, fixed = draft_tables(profile, num_slots=B)
+  if "shallow" in steps:
+    share = float(steps["shallow_passes"]) / K
+    priced = fixed[B] + share * (draft[B] - fixed[B])
+    # At the tokens of its typical step (the median: an exploring slot's extra drafts
+    # on every `explore_every`-th step are verified too, and their cost stays in the
+    # anchor: what a step costs on average while the gate is open at that cap).
+    typical = steps.get("shallow_verified_steps") or [steps["shallow_verified"]]
+    tokens = min(B + int(round(float(np.median(typical)))), T)
+    anchors.append((tokens, float(steps["shallow"]) - priced))
   if "one" in steps:
     draft_one = (profile["draft_bucket_ms"][0] if "draft_bucket_ms" in profile
                  else profile["draft_ms"])
+    if steps.get("one_row_steps"):
+      # Full backlogs absorbed in the drafting bucket widen it on some steps: each step's
+      # drafter program is the bucket of the rows that ran.
+      draft_one = float(np.mean(draft[np.clip(steps["one_row_steps"], 0, B)]))
     anchors.append((B + K, float(steps["one"]) - float(draft_one)))
   anchors.append((T, float(steps["full"]) - float(profile["draft_ms"])))
   return anchors
@@ -253,6 +321,32 @@ def verify_table(profile: dict, *, num_slots: int, max_tokens: int) -> np.ndarra
   return out
 
 
+def draft_tables(profile: dict, *, num_slots: int) -> tuple[np.ndarray, np.ndarray]:
+  """`([B + 1], [B + 1])`: a profile's drafting cost by drafting requests R (all K
+  passes) and its fixed part (`CostModel.draft_fixed_ms`).
+
+  R requests cost what the smallest draft bucket E >= R costs (R = 0: the smallest; a
+  step with none does not draft); all B slots `draft_ms` without draft buckets. The fixed
+  part of a bucket whose depth-1 program costs `first` and K-depth program `full`:
+  `(K first - full) / (K - 1)`, in [0, full] (the affine price exact at 1 and K passes);
+  zero without depth-1 times (a parallel drafter, or a profile from before them).
+  """
+  B = num_slots
+  draft = np.full(B + 1, float(profile["draft_ms"]))  # drafting for all B slots
+  sizes = np.asarray(profile.get("draft_buckets", [B]))
+  full = np.asarray(profile.get("draft_bucket_ms", [profile["draft_ms"]]), np.float64)
+  index = np.minimum(np.searchsorted(sizes, np.arange(B + 1), side="left"), len(sizes) - 1)
+  if "draft_bucket_ms" in profile:
+    draft = full[index]
+  fixed = np.zeros(B + 1)
+  if "draft_first_ms" in profile:
+    K = (int(profile["buckets"][-1]) - B) // B
+    first = np.asarray(profile["draft_first_ms"], np.float64)
+    per = (K * first - full) / max(K - 1, 1) if K > 1 else full
+    fixed = np.clip(per, 0.0, full)[index]
+  return draft, fixed
+
+
 def cost_model_from_profile(profile: dict, *, num_slots: int, max_tokens: int) -> CostModel:
   """Step-function, monotone `CostModel` from `measure`'s bucket times, its verify
   entries mapped onto the whole steps the profile measured (`verify_table`).
@@ -260,27 +354,22 @@ def cost_model_from_profile(profile: dict, *, num_slots: int, max_tokens: int) -
   A non-monotone profile is repaired to its running maximum with a `UserWarning`
   (`av_jax.profiling.step_cost_model`).
   """
-  draft = np.full(num_slots + 1, float(profile["draft_ms"]))  # drafting for all B slots
-  if "draft_bucket_ms" in profile:
-    # R drafting requests cost what the smallest draft bucket E >= R costs (R = 0: the
-    # smallest; a step with none does not draft).
-    sizes = np.asarray(profile["draft_buckets"])
-    index = np.minimum(np.searchsorted(sizes, np.arange(num_slots + 1), side="left"),
-                       len(sizes) - 1)
-    draft = np.asarray(profile["draft_bucket_ms"], np.float64)[index]
+  draft, fixed = draft_tables(profile, num_slots=num_slots)
   # What whole steps cost (section 8.2): the verify entries are mapped onto the measured
   # regimes; a step's drafting is priced by the drafter's programs.
   return make_cost_model(draft, verify_table(profile, num_slots=num_slots,
-                                             max_tokens=max_tokens))
+                                             max_tokens=max_tokens),
+                         draft_fixed_ms=fixed)
 
 
 # Bumped whenever what `measure` times changes, so older cached profiles are not reused.
-PROFILE_VERSION = 11  # 3: draft times per draft bucket under the gate; 4, 5: whole steps;
+PROFILE_VERSION = 12  # 3: draft times per draft bucket under the gate; 4, 5: whole steps;
 # 6: the verify pass reads the cache (`Target.verify_read`), as the engine now runs it;
 # 7: entries above a later one re-timed (`retime_falls`): profiles cached before carried
 # load spikes; 8: per-slot verify attention (`Target.verify_read_width`), a gated-off
 # step's plain pass; 9: the programs of 7 again (8 reverted); 10: the programs of 8 again;
-# 11: whole-step regimes out of order re-timed (`retime_regimes`)
+# 11: whole-step regimes out of order re-timed (`retime_regimes`); 12: depth-1 drafter
+# programs (`draft_first_ms`) and the "shallow" regime under pass pricing
 
 
 def cache_key(engine: core.Engine) -> str:
@@ -372,9 +461,18 @@ def format_profile(profile: dict) -> str:
                f"{e}: {ms:.3f} ms" for e, ms in zip(profile["draft_buckets"],
                                                    profile["draft_bucket_ms"]))]
              if "draft_bucket_ms" in profile else []),
+           *([f"draft at depth 1 by draft bucket: " + ", ".join(
+               f"{e}: {ms:.3f} ms" for e, ms in zip(
+                   profile.get("draft_buckets", [profile["buckets"][0]]),
+                   profile["draft_first_ms"]))]
+             if "draft_first_ms" in profile else []),
            *([f"whole step (all slots active): gated off {profile['step_ms']['skip']:.3f} ms, "
               f"one slot drafting {profile['step_ms'].get('one', float('nan')):.3f} ms, "
-              f"all drafting {profile['step_ms']['full']:.3f} ms (docs/algorithm.md 8.2)"]
+              f"all drafting {profile['step_ms']['full']:.3f} ms"
+              + (f", all at depth cap 1 {profile['step_ms']['shallow']:.3f} ms "
+                 f"({profile['step_ms']['shallow_passes']:.2f} passes)"
+                 if "shallow" in profile["step_ms"] else "")
+              + " (docs/algorithm.md 8.2)"]
              if profile.get("step_ms") else []),
            *([f"verify priced at whole steps: " + ", ".join(
                f"T = {t}: {ms:.3f} ms" for t, ms in step_anchors(

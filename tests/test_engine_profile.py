@@ -161,6 +161,34 @@ def test_an_autoregressive_profile_times_depth_one_and_the_shallow_regime():
   assert not prof.shallow_regime(engine)
 
 
+def test_a_one_slot_step_dearer_than_a_full_one_is_its_drafting_path():
+  """B = 2 on this CPU: slot 0 drafting alone (rows gathered into a 1-row bucket and
+  scattered back) cost about what both slots drafting in place did. Its verify anchor
+  would lie above the full step's, and the running maximum would price the full step
+  above its cost (the negative control: 7.0 ms against 6.0 measured). The excess is
+  charged to the buckets E < B instead, and both regimes are priced at what they cost
+  (numbers checked by hand)."""
+  profile = dict(buckets=[2, 4, 6], bucket_ms=[2.0, 3.0, 6.0], draft_ms=3.0,
+                 draft_buckets=[1, 2], draft_bucket_ms=[0.5, 3.0],
+                 step_ms=dict(skip=1.5, one=4.5, full=6.0))
+  B, K, T = 2, 2, 6
+  assert prof.step_anchors(profile, num_slots=B, max_tokens=T) == [
+      (2, 1.5), (6, pytest.approx(3.0))]
+  # V'(4) = 1.5 + (3 - 2) / (6 - 2) (3.0 - 1.5) = 1.875; the one-slot anchor 4.5 - 0.5 = 4.0.
+  assert prof.subset_overhead(profile, num_slots=B, max_tokens=T) == pytest.approx(2.125)
+  cost = prof.cost_model_from_profile(profile, num_slots=B, max_tokens=T)
+  np.testing.assert_allclose(cost.draft_ms, [2.625, 2.625, 3.0], rtol=1e-6)
+  np.testing.assert_allclose(cost.draft_fixed_ms, [2.125, 2.125, 0.0], rtol=1e-5)
+  assert float(cost.draft_cost(1) + cost.verify_cost(B + K)) == pytest.approx(4.5)
+  assert float(cost.draft_cost(2) + cost.verify_cost(T)) == pytest.approx(6.0)
+  kept = 3.0 + max(4.5 - 0.5, 6.0 - 3.0)  # the one-slot anchor kept: the running maximum
+  assert kept == pytest.approx(7.0)
+  # In order (one-slot anchor below the full step's): no overhead, as before.
+  normal = dict(profile, step_ms=dict(skip=1.5, one=3.5, full=6.0))
+  assert prof.subset_overhead(normal, num_slots=B, max_tokens=T) == 0.0
+  assert [t for t, _ in prof.step_anchors(normal, num_slots=B, max_tokens=T)] == [2, 4, 6]
+
+
 def test_regimes_out_of_order_are_retimed():
   """A gated-off step timed above the drafting regimes (a load spike) is re-timed and
   keeps the smaller time; regimes in order are timed once (negative control)."""

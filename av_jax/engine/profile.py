@@ -264,7 +264,7 @@ def step_anchors(profile: dict, *, num_slots: int, max_tokens: int) -> list[tupl
   B, T = num_slots, max_tokens
   K = (T - B) // B
   anchors = [(B, float(steps["skip"]))]
-  draft, fixed = draft_tables(profile, num_slots=B)
+  draft, fixed = _program_tables(profile, num_slots=B)
   if "shallow" in steps:
     share = float(steps["shallow_passes"]) / K
     priced = fixed[B] + share * (draft[B] - fixed[B])
@@ -281,9 +281,47 @@ def step_anchors(profile: dict, *, num_slots: int, max_tokens: int) -> list[tupl
       # Full backlogs absorbed in the drafting bucket widen it on some steps: each step's
       # drafter program is the bucket of the rows that ran.
       draft_one = float(np.mean(draft[np.clip(steps["one_row_steps"], 0, B)]))
-    anchors.append((B + K, float(steps["one"]) - float(draft_one)))
-  anchors.append((T, float(steps["full"]) - float(profile["draft_ms"])))
+    one = float(steps["one"]) - float(draft_one)
+    if one <= full_anchor(profile) or B + K >= T:
+      anchors.append((B + K, one))
+    # else: the one-slot step costs more than the full step's verification, which
+    # verifies B (K - 1) more tokens: the excess is its drafting path (rows gathered into
+    # a small bucket and scattered back), priced in the draft table (`subset_overhead`).
+  anchors.append((T, full_anchor(profile)))
   return anchors
+
+
+def full_anchor(profile: dict) -> float:
+  """The full step's verify anchor: `full` less the drafter's program for all B slots."""
+  return float(profile["step_ms"]["full"]) - float(profile["draft_ms"])
+
+
+def subset_overhead(profile: dict, *, num_slots: int, max_tokens: int) -> float:
+  """What a step drafting in a draft bucket E < B pays beyond its programs, in ms.
+
+  Zero unless the one-slot regime's verify anchor lies above the full step's (at B = 2
+  on this CPU: slot 0 drafting alone cost 12.4 ms, both slots drafting 12.9 ms): more
+  tokens cannot cost less to verify, so its excess over the verify table at B + K (from
+  the other anchors) is the subset path's (gather, settle, scatter of the rows), and every
+  bucket E < B is charged it (`draft_tables`), so both regimes are priced at what they
+  cost. Kept in the verify table instead, the running maximum priced the full step above
+  its measured cost.
+  """
+  steps = profile.get("step_ms") or {}
+  if "one" not in steps:
+    return 0.0
+  B, T = num_slots, max_tokens
+  K = (T - B) // B
+  if B + K >= T:  # B = 1: one bucket, the two regimes are averaged (`verify_table`)
+    return 0.0
+  draft, _ = _program_tables(profile, num_slots=B)
+  rows = steps.get("one_row_steps") or [1]
+  draft_one = float(np.mean(draft[np.clip(rows, 0, B)]))
+  one = float(steps["one"]) - draft_one
+  if one <= full_anchor(profile):
+    return 0.0
+  verify = verify_table(profile, num_slots=B, max_tokens=T)
+  return max(one - float(verify[min(B + K, T)]), 0.0)
 
 
 def verify_table(profile: dict, *, num_slots: int, max_tokens: int) -> np.ndarray:
@@ -321,7 +359,28 @@ def verify_table(profile: dict, *, num_slots: int, max_tokens: int) -> np.ndarra
   return out
 
 
-def draft_tables(profile: dict, *, num_slots: int) -> tuple[np.ndarray, np.ndarray]:
+def draft_tables(profile: dict, *, num_slots: int,
+                 max_tokens: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+  """`_program_tables` with the subset path's overhead (`subset_overhead`, needs
+  `max_tokens` = B (K + 1)) added to every R drafted in a bucket E < B, in both the
+  drafting cost and its fixed part (it does not depend on the depth)."""
+  draft, fixed = _program_tables(profile, num_slots=num_slots)
+  if max_tokens is None:
+    return draft, fixed
+  extra = subset_overhead(profile, num_slots=num_slots, max_tokens=max_tokens)
+  if extra > 0:
+    B = num_slots
+    sizes = np.asarray(profile.get("draft_buckets", [B]))
+    index = np.minimum(np.searchsorted(sizes, np.arange(B + 1), side="left"), len(sizes) - 1)
+    small = sizes[index] < B
+    # At most what drafting all B in place costs (the table stays monotone).
+    grown = np.minimum(draft + extra, draft[B])
+    fixed = np.where(small, np.minimum(fixed + (grown - draft), grown), fixed)
+    draft = np.where(small, grown, draft)
+  return draft, fixed
+
+
+def _program_tables(profile: dict, *, num_slots: int) -> tuple[np.ndarray, np.ndarray]:
   """`([B + 1], [B + 1])`: a profile's drafting cost by drafting requests R (all K
   passes) and its fixed part (`CostModel.draft_fixed_ms`).
 
@@ -354,7 +413,7 @@ def cost_model_from_profile(profile: dict, *, num_slots: int, max_tokens: int) -
   A non-monotone profile is repaired to its running maximum with a `UserWarning`
   (`av_jax.profiling.step_cost_model`).
   """
-  draft, fixed = draft_tables(profile, num_slots=num_slots)
+  draft, fixed = draft_tables(profile, num_slots=num_slots, max_tokens=max_tokens)
   # What whole steps cost (section 8.2): the verify entries are mapped onto the measured
   # regimes; a step's drafting is priced by the drafter's programs.
   return make_cost_model(draft, verify_table(profile, num_slots=num_slots,

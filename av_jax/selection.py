@@ -119,7 +119,8 @@ def make_cost_model(draft_ms, verify_ms, *, min_cost: float = 1e-6,
           f"{_some(fallen)} (worst: entry {worst} is {floored[worst]:g}, below an earlier "
           f"{repaired[worst]:g}); repaired to the running maximum.", stacklevel=2)
     tables[name] = jnp.asarray(repaired, jnp.float32)
-  draft = np.asarray(tables["draft_ms"], np.float64)
+    if name == "draft_ms":
+      draft = repaired.astype(np.float32).astype(np.float64)  # host-side (callable under jit)
   if draft_fixed_ms is None:
     fixed = np.zeros_like(draft)
   else:

@@ -164,7 +164,7 @@ def retime_falls(timers, *, rounds: int = 2) -> list[float]:
 
 def whole_step_ms(engine: core.Engine, params: core.Params, state: core.DecodeState, *,
                   repeats: int = 5) -> dict:
-  """Per-step wall time of the engine's own decode chunk in its two extreme regimes.
+  """Per-step wall time of the engine's own decode chunk in fixed regimes (see below).
 
   The programs timed above are only part of a step: sampling, rejection over `[B, K+1,
   V]`, packing, the drafter's commit and catch-up and the decision cost time too, and on

@@ -228,7 +228,7 @@ def census(models_name: str, *, data: int, model: int, num_slots: int, max_draft
   engine = sharding.for_mesh(engine, mesh)
   state = jax.eval_shape(lambda p: E.init_state(engine, p, jax.random.key(0)), params)
   with jax.set_mesh(mesh):
-    _, chunk = batching.compiled_sharded(engine, mesh, params, state)
+    _, chunk, _ = batching.compiled_sharded(engine, mesh, params, state)
     text = chunk.lower(params, state).compile().as_text()
   t = cfg.target
   return dict(models=models_name, drafter=drafter, data=data, model=model, B=num_slots,

@@ -69,11 +69,14 @@ def test_no_recompile_after_warmup_and_inert_slots():
   engine, params = _engine("block", "av", num_buckets=3)
   prefill, chunk, init = G.compiled(engine)
   E.generate(engine, params, PROMPTS, max_new_tokens=MAX_NEW, key=fx.key(1))
-  chunks, prefills = chunk._cache_size(), prefill._cache_size()
-  assert chunks == 1
+  programs = G.decode_programs(engine)  # the quiet and the drafting program
+  assert len(programs) == 2
+  sizes = lambda: [p._cache_size() for p in programs] + [prefill._cache_size()]
+  first = sizes()
+  assert first[:2] == [1, 1]
   result = E.generate(engine, params, [[3, 1], [2] * 9, [5] * 20], max_new_tokens=[20, 3, 8],
                       key=fx.key(2))
-  assert chunk._cache_size() == chunks and prefill._cache_size() == prefills
+  assert sizes() == first
   assert len(result.stats["bucket_hist"]) == len(engine.buckets) == 3
 
   # An idle state stays idle: nothing emitted, nothing written, no labels.

@@ -110,17 +110,19 @@ def test_the_read_pass_ignores_stale_entries_at_the_positions_it_writes():
   assert np.abs(np.asarray(a.logits) - np.asarray(c.logits)).max() > 1e-3
 
 
-def _loop_copies(engine, params, B, max_len, field=lambda state: state.target_cache.k):
+def _loop_copies(engine, params, B, max_len, field=lambda state: state.target_cache.k,
+                 program=None):
   """Copies of an array shaped like `field(state)` (default the target cache) outside
   the entry computation of the compiled chunk (the decode loop's body and what it
-  calls)."""
+  calls); `program(params, state)`: another decode program (default `run_chunk`)."""
   cost = make_cost_model(np.full(B + 1, 1e6), 1.0 + 0.01 * np.arange(B * 5 + 1))
   prefill, _, init = batching.compiled(engine)
   state = init(params, key(0), cost)
   for slot in range(B):
     state = prefill(params, state, jnp.arange(8, dtype=jnp.int32) % 7 + 1, jnp.int32(8),
                     jnp.int32(slot), jnp.int32(max_len))
-  text = jax.jit(lambda p, s: core.run_chunk(engine, p, s)).lower(params, state).compile().as_text()
+  program = program or (lambda p, s: core.run_chunk(engine, p, s))
+  text = jax.jit(program).lower(params, state).compile().as_text()
   dims = ",".join(str(d) for d in field(state).shape)
   pattern = re.compile(r"= f32\[(%s|%s)\]\S* copy\(" % (
       dims, dims.replace(",", ",1,", 1)))  # also the grouped [L, 1, B, ...] layout

@@ -75,12 +75,67 @@ def compiled(engine: core.Engine):
   return prefill, chunk, init
 
 
+@functools.lru_cache(maxsize=32)
+def compiled_modes(engine: core.Engine):
+  """Jitted `(quiet, drafting)`: `core.run_mode` of each kind, `(params, state, limit) ->
+  (state, records, count)` (an engine that `core.splits_quiet`)."""
+  return tuple(jax.jit(functools.partial(_mode, engine, quiet), donate_argnums=(1,))
+               for quiet in (True, False))
+
+
+def decode_programs(engine: core.Engine) -> tuple:
+  """The jitted decode programs `generate` runs for `engine` (one device): the
+  `compiled_modes` pair where the engine splits quiet steps (`core.splits_quiet`), else
+  `(run_chunk,)`."""
+  return compiled_modes(engine) if core.splits_quiet(engine) else (compiled(engine)[1],)
+
+
+def _mode(engine, quiet, params, state, limit):
+  return core.run_mode(engine, params, state, limit, quiet=quiet)
+
+
+class _ChunkRunner:
+  """One chunk of `steps_per_chunk` steps as a sequence of `core.run_mode` calls: the
+  quiet program while no slot drafts, the drafting program while some do, switching on
+  the host where one stops short (one count read per call). The chunk's boundaries, and
+  so every step's state, are `run_chunk`'s. The kind a chunk starts with is the one the
+  last call ended in (a quiet call that finds the next step drafting runs no step)."""
+
+  def __init__(self, engine: core.Engine, programs):
+    self.quiet_prog, self.draft_prog = programs
+    self.steps = engine.config.steps_per_chunk
+    self.quiet = True
+    self.calls = [0, 0]  # quiet, drafting
+
+  def __call__(self, params, state):
+    done, pieces = 0, []
+    while done < self.steps:
+      program = self.quiet_prog if self.quiet else self.draft_prog
+      self.calls[not self.quiet] += 1
+      state, records, count = program(params, state, np.int32(self.steps - done))
+      count = int(distributed.fetch(count))
+      if count:
+        pieces.append((records, count))
+      done += count
+      if done < self.steps:
+        self.quiet = not self.quiet
+    return state, pieces
+
+  @staticmethod
+  def records(pieces) -> core.StepInfo:
+    """The chunk's step records (host NumPy), stacked over its steps."""
+    parts = [jax.tree.map(lambda x: x[:count], distributed.fetch(records))
+             for records, count in pieces]
+    return jax.tree.map(lambda *xs: np.concatenate(xs), *parts)
+
+
 _SHARDED: dict = {}
 
 
 def compiled_sharded(engine: core.Engine, mesh, params: core.Params,
                      state: core.DecodeState):
-  """Jitted (prefill, run_chunk) with explicit in/out shardings over `mesh`."""
+  """Jitted (prefill, run_chunk, modes) with explicit in/out shardings over `mesh`
+  (`modes`: `compiled_modes`'s pair, None for an engine that does not split quiet steps)."""
   key = (engine, mesh, jax.tree.structure(params))
   if key not in _SHARDED:
     params_sh = sharding.param_shardings(mesh, params)
@@ -102,7 +157,17 @@ def compiled_sharded(engine: core.Engine, mesh, params: core.Params,
                       out_shardings=state_sh, donate_argnums=(1,))
     chunk = jax.jit(chunk_fn, in_shardings=(params_sh, state_sh),
                     out_shardings=(state_sh, rep), donate_argnums=(1,))
-    _SHARDED[key] = (prefill, chunk)
+    modes = None
+    if core.splits_quiet(engine):
+      def mode_fn(quiet):
+        fn = functools.partial(_mode, engine, quiet)
+        if sharding.is_explicit(mesh):
+          fn = jax.sharding.auto_axes(fn, out_sharding=(spec(state_sh), info_spec,
+                                                        PartitionSpec()))
+        return jax.jit(fn, in_shardings=(params_sh, state_sh, rep),
+                       out_shardings=(state_sh, rep, rep), donate_argnums=(1,))
+      modes = (mode_fn(True), mode_fn(False))
+    _SHARDED[key] = (prefill, chunk, modes)
   return _SHARDED[key]
 
 
@@ -212,7 +277,10 @@ def generate(engine: core.Engine, params: core.Params, prompts: Sequence[Sequenc
     completions = [None if c is None else Completion(**c) for c in extra["completions"]]
   if mesh is not None:
     params, state = sharding.place(engine, mesh, params, state)
-    prefill, chunk = compiled_sharded(engine, mesh, params, state)
+    prefill, chunk, modes = compiled_sharded(engine, mesh, params, state)
+  else:
+    modes = compiled_modes(engine) if core.splits_quiet(engine) else None
+  runner = None if modes is None else _ChunkRunner(engine, modes)
   infos = []
   records = []  # the modelled clock's fields of every chunk
 
@@ -260,9 +328,15 @@ def generate(engine: core.Engine, params: core.Params, prompts: Sequence[Sequenc
             completions=[None if c is None else dataclasses.asdict(c) for c in completions]))
       break
     began = time.perf_counter()
-    state, info = chunk(params, state)
-    jax.block_until_ready(info.emitted)  # the loop syncs in `settle` anyway
-    chunk_seconds.append(time.perf_counter() - began)
+    if runner is None:
+      state, info = chunk(params, state)
+      jax.block_until_ready(info.emitted)  # the loop syncs in `settle` anyway
+      chunk_seconds.append(time.perf_counter() - began)
+    else:
+      state, pieces = runner(params, state)  # reads each call's count
+      chunk_seconds.append(time.perf_counter() - began)
+      if keep_infos or tables is not None or on_chunk is not None:
+        info = runner.records(pieces)
     chunks += 1
     if keep_infos:
       infos.append(distributed.fetch(info))

@@ -31,6 +31,7 @@ def engine_identity(engine: core.Engine) -> dict:
   """What a checkpoint must match to be restored into `engine`."""
   cfg = dataclasses.asdict(engine.config)
   cfg.pop("steps_per_chunk")  # host-sync granularity does not change the state
+  cfg.pop("quiet_program", None)  # nor the program a quiet step runs in (bit-identical)
   # Neither does the verify layout (tokens are bit-identical for every number of verify
   # groups, tests/test_verify_groups.py): a run saved on a mesh resumes on one device.
   cfg.pop("verify_groups", None)

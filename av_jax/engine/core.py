@@ -94,6 +94,11 @@ class EngineConfig:
   drafter_backlog: int | None = None
   eos_id: int = -1               # end-of-sequence token (-1: none)
   steps_per_chunk: int = 16      # decode steps per `run_chunk` (host sync granularity)
+  # A gated engine runs the steps on which no slot drafts in a program of their own, a
+  # target-only step's with the decision's bookkeeping (`run_mode`; `batching.generate`
+  # switches between it and the drafting program on the host, the chunks' boundaries
+  # unchanged). False: every step in one program (`run_chunk`), as before.
+  quiet_program: bool = True
   record_features: bool = False  # StepInfo.extra holds every RECORDED_FEATURES (studies)
   verify_groups: int | None = None  # G, verification packs G contiguous groups of B/G slots
                                     # separately (data-parallel when G is a multiple of the
@@ -1109,7 +1114,8 @@ def _windowed(engine: Engine, state: DecodeState) -> bool:
 
 
 def _gated_step(engine: Engine, params: Params, state: DecodeState, *, key: jax.Array,
-                k_draft: jax.Array, k_verify: jax.Array) -> tuple[DecodeState, StepInfo]:
+                k_draft: jax.Array, k_verify: jax.Array,
+                quiet: bool = False) -> tuple[DecodeState, StepInfo]:
   """A step under the skip-drafting gate: only the slots the decider lets draft do.
 
   With n drafting slots, the drafting slots (then other slots as padding, whose outputs
@@ -1121,11 +1127,17 @@ def _gated_step(engine: Engine, params: Params, state: DecodeState, *, key: jax.
   autoregressive drafter the token joins the slot's backlog, absorbed when the slot
   drafts again or every `pending_width` steps: lazy catch-up). Slots that did not draft
   catch up.
+
+  `quiet` (static): the program of a step on which the decider lets no slot draft
+  (`next_drafts` False; the caller's guarantee, `run_mode`): no drafting branches, and
+  verification is a target-only step's (`_target_step`, no verify switch), with the
+  values of this step's branch 0.
   """
   cfg, decider, active = engine.config, engine.decider, state.active
   B, K1, width = cfg.num_slots, cfg.max_draft + 1, engine.pending_width
   decision = state.decision
-  slots = decider.draft_slots(decision, active)                            # [B] bool
+  slots = (jnp.zeros((B,), bool) if quiet
+           else decider.draft_slots(decision, active))                    # [B] bool
   windowed = _windowed(engine, state)
   # Lazy catch-up: a slot whose backlog is full absorbs it in this step's draft bucket
   # (without drafting), so `catch_up` never absorbs; on a step that drafts for no slot
@@ -1224,8 +1236,11 @@ def _gated_step(engine: Engine, params: Params, state: DecodeState, *, key: jax.
     branch = jnp.where(jnp.any(full) & ~jnp.any(slots),
                        1 + len(sizes) + (nfull > sizes[0]).astype(jnp.int32)
                        * (len(absorbers) - 1), branch)
-  drafts, writes = jax.lax.switch(branch, [skip] + [subset(E) for E in sizes]
-                                  + [absorb_only(E) for E in absorbers])
+  if quiet:  # branch 0 or an absorb: the drafting branches are never taken
+    branch = jnp.maximum(branch - len(sizes), 0)
+    sizes = ()
+  drafts, writes = (skip() if quiet and not windowed else jax.lax.switch(
+      branch, [skip] + [subset(E) for E in sizes] + [absorb_only(E) for E in absorbers]))
   if windowed:
     old = state.drafter
     settled = work & (old.num_pending > K1)  # what `settle` did in the branch
@@ -1239,10 +1254,12 @@ def _gated_step(engine: Engine, params: Params, state: DecodeState, *, key: jax.
   drafting = jnp.any(slots)
   # The draft bucket that ran for drafting slots (0: none drafted; a bucket that only
   # absorbed backlogs is not a drafting step).
-  rows = jnp.where(drafting, jnp.asarray((0,) + tuple(sizes), jnp.int32)[branch], 0)
+  rows = (jnp.zeros((), jnp.int32) if quiet else
+          jnp.where(drafting, jnp.asarray((0,) + tuple(sizes), jnp.int32)[branch], 0))
   commit = lambda drafts, verdict: _gated_commit_phase(engine, params, state, drafts,
                                                        verdict, slots)
-  return decide(drafts, drafting=drafting, rows=rows, packed=drafting, commit=commit)
+  return decide(drafts, drafting=drafting, rows=rows, packed=False if quiet else drafting,
+                commit=commit)
 
 
 def step(engine: Engine, params: Params, state: DecodeState) -> tuple[DecodeState, StepInfo]:
@@ -1268,6 +1285,67 @@ def step(engine: Engine, params: Params, state: DecodeState) -> tuple[DecodeStat
       drafting=drafting, plan_drafting=drafting,
       rows=jnp.where(jnp.any(slots), engine.config.num_slots, 0), packed=engine.arm.drafts,
       commit=commit)
+
+
+def splits_quiet(engine: Engine) -> bool:
+  """The engine runs its steps that draft for no slot in a program of their own
+  (`run_mode`): a gated engine (AV with the skip-drafting gate) with `quiet_program`."""
+  return bool(engine.arm.drafts and engine.decider.planner.gated
+              and engine.config.quiet_program)
+
+
+def next_drafts(engine: Engine, state: DecodeState) -> jax.Array:
+  """[] bool: the next step of a gated engine drafts for some slot (the gate's verdict,
+  `decider.draft_slots`, a function of the state alone)."""
+  return jnp.any(engine.decider.draft_slots(state.decision, state.active))
+
+
+def quiet_step(engine: Engine, params: Params,
+               state: DecodeState) -> tuple[DecodeState, StepInfo]:
+  """The step of a gated engine on which no slot drafts (`next_drafts` False), in its own
+  program: what `step` computes there, without the drafting branches and the verify
+  switch (a target-only step's pass, the drafter's catch-up and the decision's
+  bookkeeping). Run only where `next_drafts` is False (`run_mode` checks it)."""
+  if not (engine.arm.drafts and engine.decider.planner.gated):
+    raise ValueError(f"engine: a quiet step needs a gated engine (AV with the skip-drafting "
+                     f"gate), got mode {engine.config.mode!r}")
+  key, k_draft, k_verify = jax.random.split(state.key, 3)
+  return _gated_step(engine, params, state, key=key, k_draft=k_draft, k_verify=k_verify,
+                     quiet=True)
+
+
+def run_mode(engine: Engine, params: Params, state: DecodeState, limit: jax.Array, *,
+             quiet: bool, num_steps: int | None = None
+             ) -> tuple[DecodeState, StepInfo, jax.Array]:
+  """Up to `limit` (traced, <= `num_steps`, default `steps_per_chunk`) steps of one kind
+  (a `lax.while_loop`): `quiet` runs `quiet_step` while the next step drafts for no slot
+  (possibly none); else `step` for at least one step, then while the next step drafts.
+
+  The decisions are the state's, so a chunk run as a sequence of these (switching kind
+  where one stops short, `batching.generate`) computes what `run_chunk` does, step for
+  step. Returns the state, the step records stacked over `num_steps` (rows at and past
+  the count are zeros) and the count of steps run.
+  """
+  n = num_steps or engine.config.steps_per_chunk
+  one = (lambda s: quiet_step(engine, params, s)) if quiet else (
+      lambda s: step(engine, params, s))
+  shapes = jax.eval_shape(lambda s: one(s)[1], state)
+  records = jax.tree.map(lambda x: jnp.zeros((n,) + x.shape, x.dtype), shapes)
+  limit = jnp.minimum(jnp.asarray(limit, jnp.int32), n)
+
+  def go_on(carry):
+    i, state, _ = carry
+    drafts = next_drafts(engine, state)
+    return (i < limit) & (~drafts if quiet else (i == 0) | drafts)
+
+  def body(carry):
+    i, state, records = carry
+    state, info = one(state)
+    return i + 1, state, jax.tree.map(lambda r, x: r.at[i].set(x), records, info)
+
+  count, state, records = jax.lax.while_loop(go_on, body, (jnp.zeros((), jnp.int32), state,
+                                                           records))
+  return state, records, count
 
 
 def run_chunk(engine: Engine, params: Params, state: DecodeState,

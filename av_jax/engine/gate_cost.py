@@ -57,11 +57,18 @@ def _busy_state(engine: core.Engine, params: core.Params, *, prompt_len: int,
   return state
 
 
-def _timer(engine: core.Engine, params: core.Params, state, steps: int):
+def _timer(engine: core.Engine, params: core.Params, state, steps: int, *,
+           quiet: bool = False):
   """`() -> seconds` of `steps` steps from `state`, in place as the engine runs them (the
-  state donated; each call times a fresh copy, made before its clock starts)."""
+  state donated; each call times a fresh copy, made before its clock starts). `quiet`:
+  the gated engine's quiet program (`core.run_mode`, what `generate` runs while no slot
+  drafts), else the one-program chunk (`core.run_chunk`)."""
   state, _ = jax.jit(lambda p, s: core.step(engine, p, s))(params, state)  # closes the gate
-  run = jax.jit(lambda p, s: core.run_chunk(engine, p, s, steps), donate_argnums=1)
+  if quiet:
+    run = jax.jit(lambda p, s: core.run_mode(engine, p, s, steps, quiet=True,
+                                             num_steps=steps)[:2], donate_argnums=1)
+  else:
+    run = jax.jit(lambda p, s: core.run_chunk(engine, p, s, steps), donate_argnums=1)
   fresh = lambda: jax.block_until_ready(jax.tree.map(jnp.copy, state))
   _, info = jax.block_until_ready(run(params, fresh()))  # compile and warm up
 
@@ -96,10 +103,13 @@ def measure_gate_cost(models: ModelsConfig, *, kinds: Sequence[str] = ("draft_lm
       absorb of a full backlog per slot per chunk for AR drafters; K + 1 for parallel).
 
   Returns:
-    One dict per (kind, B): `median_ratio` (AV / target-only, over the interleaved
-    pairs), `min_ratio`, `max_ratio`, `target_only_ms` and `gated_ms` (median per step),
-    `drafted` (steps that drafted in a timed chunk: 0 when the gate held), `steps`,
-    `backlog` (the AV engine's `pending_width`) and `goal`.
+    One dict per (kind, B): `median_ratio` (AV's quiet program, `core.run_mode`, what a
+    run runs while no slot drafts / target-only, over the interleaved triples),
+    `min_ratio`, `max_ratio`, `one_program_ratio` (median; AV's whole step program,
+    `core.run_chunk`, what `quiet_program=False` runs), `target_only_ms`, `gated_ms` and
+    `one_program_ms` (median per step), `drafted` (steps that drafted in a timed chunk: 0
+    when the gate held; the quiet program cannot draft), `steps`, `backlog` (the AV
+    engine's `pending_width`) and `goal`.
 
   Raises:
     ValueError: `max_len` too short for the prompt and a chunk, `repeats` or `steps` < 1.
@@ -124,17 +134,20 @@ def measure_gate_cost(models: ModelsConfig, *, kinds: Sequence[str] = ("draft_lm
       if max_len < prompt_len + n + max_draft + 3:
         raise ValueError(f"max_len: expected >= prompt_len + steps + max_draft + 3 = "
                          f"{prompt_len + n + max_draft + 3}, got {max_len}")
-      timers, infos = zip(*(_timer(e, params, _busy_state(e, params, prompt_len=prompt_len), n)
-                            for e in engines))
-      pairs = []
+      timers, infos = zip(*(_timer(e, params, _busy_state(e, params, prompt_len=prompt_len), n,
+                                   quiet=quiet)
+                            for e, quiet in zip(engines + engines[1:], (False, True, False))))
+      triples = []
       for _ in range(repeats):
-        pairs.append(tuple(t() for t in timers))
-      ratios = [g / t for t, g in pairs]
-      per_step = lambda i: 1e3 * statistics.median(p[i] for p in pairs) / n
+        triples.append(tuple(t() for t in timers))
+      ratios = [g / t for t, g, _ in triples]
+      per_step = lambda i: 1e3 * statistics.median(p[i] for p in triples) / n
       rows.append(dict(drafter=kind, concurrency=B, median_ratio=statistics.median(ratios),
                        min_ratio=min(ratios), max_ratio=max(ratios),
+                       one_program_ratio=statistics.median(w / t for t, _, w in triples),
                        target_only_ms=per_step(0), gated_ms=per_step(1),
-                       drafted=int(np.sum(np.asarray(infos[1].drafting))),
+                       one_program_ms=per_step(2),
+                       drafted=int(np.sum(np.asarray(infos[2].drafting))),
                        steps=n, backlog=engines[1].pending_width, repeats=repeats,
                        goal=GOAL))
   return rows
@@ -143,11 +156,12 @@ def measure_gate_cost(models: ModelsConfig, *, kinds: Sequence[str] = ("draft_lm
 def format_rows(rows: Sequence[dict]) -> str:
   """A printable table of `measure_gate_cost`'s rows."""
   lines = [f"{'drafter':>9} {'B':>4} {'steps':>5} {'backlog':>7} {'target ms':>10} "
-           f"{'gated ms':>9} {'ratio':>6} {'range':>13} {'goal':>5}"]
+           f"{'gated ms':>9} {'ratio':>6} {'range':>13} {'goal':>5} {'one-program':>11}"]
   for r in rows:
     ok = "ok" if r["median_ratio"] <= r["goal"] else "OVER"
     lines.append(f"{r['drafter']:>9} {r['concurrency']:>4} {r['steps']:>5} "
                  f"{r['backlog']:>7} {r['target_only_ms']:>10.3f} "
                  f"{r['gated_ms']:>9.3f} {r['median_ratio']:>6.3f} "
-                 f"{r['min_ratio']:>6.3f}-{r['max_ratio']:<6.3f} {ok:>5}")
+                 f"{r['min_ratio']:>6.3f}-{r['max_ratio']:<6.3f} {ok:>5} "
+                 f"{r['one_program_ratio']:>11.3f}")
   return "\n".join(lines)

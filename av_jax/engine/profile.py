@@ -172,7 +172,7 @@ def whole_step_ms(engine: core.Engine, params: core.Params, state: core.DecodeSt
   engine's jitted chunk (`batching.compiled`, the very program decoding runs) with every
   slot active, mid-cache, in three fixed regimes, the gate's state reset before each
   step: "skip", a gated-off step (no slot drafts, no re-check due: a target-only step of
-  B requests); "one", slot 0 alone drafting all K and verifying them (the smallest draft
+  B requests; in the quiet program, `core.run_mode`, where the engine runs one); "one", slot 0 alone drafting all K and verifying them (the smallest draft
   bucket: the step a gate that keeps a few slots drafting runs most); "full", every slot
   drafting all K and verifying them (free verification in the plan, no survival stop);
   with pass pricing (`shallow_regime`) also "shallow", every slot drafting under a depth
@@ -217,6 +217,11 @@ def whole_step_ms(engine: core.Engine, params: core.Params, state: core.DecodeSt
   pricey = jax.tree.map(lambda new, old: jnp.asarray(new, old.dtype), pricey, state.cost)
   tables = {"skip": default, "shallow": pricey}
   chunk = batching.compiled(engine)[1]
+  if core.splits_quiet(engine):  # a gated-off step runs in the quiet program (`run_mode`)
+    quiet_program = batching.compiled_modes(engine)[0]
+    quiet = lambda params, s: quiet_program(params, s, np.int32(S))[:2]
+  else:
+    quiet = chunk
   out = {}
   s = jax.tree.map(lambda x: x.copy(), state)  # the chunk donates its state
   for name, fixed in regimes.items():
@@ -229,7 +234,7 @@ def whole_step_ms(engine: core.Engine, params: core.Params, state: core.DecodeSt
     for i in range(repeats + 2):  # two warm-up chunks
       s = jax.block_until_ready(fresh(s))
       start = time.perf_counter()
-      s, info = jax.block_until_ready(chunk(params, s))
+      s, info = jax.block_until_ready((quiet if name == "skip" else chunk)(params, s))
       if i >= 2:
         times.append((time.perf_counter() - start) * 1e3 / S)
     out[name] = float(np.median(times))
@@ -422,13 +427,14 @@ def cost_model_from_profile(profile: dict, *, num_slots: int, max_tokens: int) -
 
 
 # Bumped whenever what `measure` times changes, so older cached profiles are not reused.
-PROFILE_VERSION = 12  # 3: draft times per draft bucket under the gate; 4, 5: whole steps;
+PROFILE_VERSION = 13  # 3: draft times per draft bucket under the gate; 4, 5: whole steps;
 # 6: the verify pass reads the cache (`Target.verify_read`), as the engine now runs it;
 # 7: entries above a later one re-timed (`retime_falls`): profiles cached before carried
 # load spikes; 8: per-slot verify attention (`Target.verify_read_width`), a gated-off
 # step's plain pass; 9: the programs of 7 again (8 reverted); 10: the programs of 8 again;
 # 11: whole-step regimes out of order re-timed (`retime_regimes`); 12: depth-1 drafter
-# programs (`draft_first_ms`) and the "shallow" regime under pass pricing
+# programs (`draft_first_ms`) and the "shallow" regime under pass pricing; 13: "skip" times
+# the quiet program (`core.run_mode`) where the engine runs one
 
 
 def cache_key(engine: core.Engine) -> str:

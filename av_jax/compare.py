@@ -242,7 +242,7 @@ class Runner:
                refit_interval: int, steps_per_chunk: int = 8, seed: int = 0,
                clock: ClockSpec = ClockSpec("wall"), warm_start: bool = False,
                log: Callable[[str], None] = print, compiled: dict | None = None,
-               drafter_backlog: int | None = None):
+               drafter_backlog: int | None = None, num_buckets: int | None = None):
     # compiled: {(drafter kind, slots, arm): engine} shared with another runner (a sweep
     # on another clock), so an engine is built and compiled once for both.
     # warm_start: every run of an adaptive arm continues from the idle state the arm's
@@ -251,6 +251,7 @@ class Runner:
     # estimator's prior. A static arm has nothing to fit: its runs start fresh.
     self.warm_start = warm_start
     self.drafter_backlog = drafter_backlog  # EngineConfig.drafter_backlog (lazy catch-up)
+    self.num_buckets = num_buckets  # EngineConfig.num_buckets (None: the engine's default)
     self._states: dict = {}
     self.temperature, self.top_p, self.max_len = temperature, top_p, max_len
     self.refit_interval, self.steps_per_chunk, self.seed = refit_interval, steps_per_chunk, seed
@@ -266,7 +267,9 @@ class Runner:
                           eos_id=-1, steps_per_chunk=self.steps_per_chunk,
                           refit_interval=self.refit_interval,
                           drafter_backlog=(None if self.drafter_backlog is None
-                                           else max(self.drafter_backlog, arm.k + 1)))
+                                           else max(self.drafter_backlog, arm.k + 1)),
+                          **({} if self.num_buckets is None
+                             else {"num_buckets": self.num_buckets}))
 
   def tables(self, pair, slots: int, arm: ArmSpec) -> costs.CostTables | None:
     """The modelled clock's tables for this engine (None on the wall clock)."""
@@ -533,7 +536,7 @@ def compare(*, drafters: str | Sequence[str] = "block", workloads: str | Sequenc
             requests_per_slot: int = 2, min_requests: int = 4, max_len: int | None = None, temperature: float = 1.0,
             top_p: float = 0.95, refit_interval: int = 16, steps_per_chunk: int = 8,
             seed: int = 0, context_len: int = DEFAULT_CONTEXT, warm_start: bool = False,
-            drafter_backlog: int | None = None,
+            drafter_backlog: int | None = None, num_buckets: int | None = None,
             pairs: Mapping[str, object] | None = None,
             prompts: Callable[..., list[list[int]]] | None = None,
             log: Callable[[str], None] = print) -> dict:
@@ -565,6 +568,7 @@ def compare(*, drafters: str | Sequence[str] = "block", workloads: str | Sequenc
       and warm up with a short compile run only. False: every run starts from the prior.
     drafter_backlog: `EngineConfig.drafter_backlog` of every engine (lazy catch-up; None:
       the default 4 (K + 1); raised to K + 1 where smaller, so 1 means the eager catch-up).
+    num_buckets: `EngineConfig.num_buckets` of every engine (None: the engine's default).
     pairs: `{drafter kind: ModelPair}` to use instead of loading `models` (tests).
     prompts: `prompts(pair, workload, num=, length=, seed=)` instead of the held-out
       workload prompts (tests).
@@ -595,7 +599,7 @@ def compare(*, drafters: str | Sequence[str] = "block", workloads: str | Sequenc
   runner = Runner(temperature=temperature, top_p=top_p, max_len=max_len,
                   refit_interval=refit_interval, steps_per_chunk=steps_per_chunk, seed=seed,
                   clock=spec, warm_start=warm_start, log=log,
-                  drafter_backlog=drafter_backlog)
+                  drafter_backlog=drafter_backlog, num_buckets=num_buckets)
   runner.warm_tokens = max_new
   rows = []
   for slots in slots_list:
@@ -624,7 +628,7 @@ def compare(*, drafters: str | Sequence[str] = "block", workloads: str | Sequenc
       max_new=max_new, prompt_len=prompt_len, requests_per_slot=requests_per_slot,
       min_requests=min_requests, max_len=max_len, temperature=temperature, top_p=top_p, refit_interval=refit_interval,
       steps_per_chunk=steps_per_chunk, seed=seed, warm_start=warm_start,
-      drafter_backlog=drafter_backlog, context_len=spec.context_len if spec.kind == "roofline" else None,
+      drafter_backlog=drafter_backlog, num_buckets=num_buckets, context_len=spec.context_len if spec.kind == "roofline" else None,
       drafter_shapes=({k: drafter_shape(spec.shape, k) for k in drafter_names}
                       if spec.kind == "roofline" else None),
       device=jax.devices()[0].device_kind, jax=jax.__version__,

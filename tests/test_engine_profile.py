@@ -220,6 +220,42 @@ def test_regimes_out_of_order_are_retimed():
   assert len(calls) == 3
 
 
+def test_a_spike_in_order_is_dropped_by_the_rounds():
+  """A spike that leaves the regimes in order (drafting steps timed 1.6x, the gated-off
+  step 1.1x: the eagle B = 2 profile that priced drafting out) passes the order check;
+  `min_rounds` times every regime again and keeps its smallest time. Negative control:
+  one round keeps the spike."""
+  profile = dict(buckets=[2, 4, 6], bucket_ms=[2.0, 3.0, 6.0], draft_ms=0.8,
+                 draft_buckets=[1, 2], draft_bucket_ms=[0.5, 0.8])
+  rows = dict(skip_rows=0, one_rows=1, full_rows=2)
+  spiked = dict(rows, skip=1.65, one=5.6, full=6.4)
+  clean = dict(rows, skip=1.5, one=3.5, full=4.0)
+  for min_rounds, expected in ((1, spiked), (3, clean)):
+    calls = []
+    times = [spiked, clean, dict(rows, skip=1.6, one=3.6, full=4.1)]
+    timer = lambda: calls.append(1) or times[len(calls) - 1]
+    steps = prof.retime_regimes(profile, timer, num_slots=2, max_tokens=6,
+                                min_rounds=min_rounds)
+    assert len(calls) == min_rounds  # in order: no re-timing beyond the rounds
+    assert {k: steps[k] for k in ("skip", "one", "full")} == {
+        k: expected[k] for k in ("skip", "one", "full")}
+    assert steps["one_rows"] == 1
+  # The programs' tables: every entry timed `min_rounds` times, its smallest kept.
+  seq = {0: [1.0, 1.2], 1: [3.1, 2.0], 2: [4.8, 3.0]}  # entry 1, 2 spiked in order
+  calls = {i: 0 for i in seq}
+
+  def timer(i):
+    def run():
+      calls[i] += 1
+      return seq[i][calls[i] - 1]
+    return run
+
+  assert prof.retime_falls([timer(i) for i in seq], min_rounds=2) == [1.0, 2.0, 3.0]
+  assert calls == {0: 2, 1: 2, 2: 2}
+  calls.update({i: 0 for i in seq})
+  assert prof.retime_falls([timer(i) for i in seq]) == [1.0, 3.1, 4.8]  # one round
+
+
 def test_regimes_on_one_bucket_are_averaged():
   """B = 1: the one-slot and the full step are the same regime (one bucket of K + 1
   tokens); its anchor is their mean, and a regime between two buckets interpolates."""

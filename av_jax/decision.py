@@ -162,7 +162,9 @@ class Decider(NamedTuple):
             accepted: jax.typing.ArrayLike, labeled: jax.typing.ArrayLike, *,
             axis_name: str | None = None) -> DecisionState:
     """Adds the labels verification produced to the estimator (refitting when a round
-    ends).
+    ends), and gives them to the gate's outcome check (`Planner.observe`: a slot the
+    last plan judged closed on its predicted gain reopens where its accepted drafts say
+    drafting pays).
 
     Args:
       state: the decision state.
@@ -172,8 +174,11 @@ class Decider(NamedTuple):
         first rejected one; docs/algorithm.md section 6).
       axis_name: mesh axis over which data-parallel replicas sum the round's statistics.
     """
+    planner = state.planner
+    if self.planner.observe is not None and planner is not None:
+      planner = self.planner.observe(planner, accepted, labeled)
     return state._replace(estimator=self.estimator.update(
-        state.estimator, features, accepted, labeled, axis_name=axis_name))
+        state.estimator, features, accepted, labeled, axis_name=axis_name), planner=planner)
 
 
 def make_decider(num_positions: int, *, policy: str, head: bool = False,

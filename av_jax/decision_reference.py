@@ -100,6 +100,8 @@ class NumpyDecision:
     state["planner.recheck_count"] = np.zeros((), np.int32)
     state["planner.pay_margin"] = np.full((batch_size,), np.inf, _F32)  # never judged
     state["planner.depth_cap"] = np.zeros((), np.int32)  # survival stop's depth cap: none
+    state["planner.check_depth"] = np.zeros((batch_size,), np.int32)  # outcome check: none
+    state["planner.check_extra"] = np.zeros((batch_size,), _F32)
     state["features"] = np.zeros((batch_size, self.config.num_positions), _F32)
     return state
 

@@ -151,6 +151,13 @@ class PlannerState(NamedTuple):
   # [] int32, survival stop's batch depth cap for this step (pass pricing,
   # `stopping.next_depth_cap`), from earlier steps only; 0: no cap.
   depth_cap: jax.Array | None = None
+  # The outcome check (`observe`), [B] (or [1]): for a slot the gate judged on this
+  # step's plan and left closed, the drafted positions (within the depth cap) that
+  # verification labels, and the extra cost of drafting and verifying that many for every
+  # active slot, in target-only steps' token units; 0 where nothing is pending. Set by
+  # `plan`, read and cleared by `observe` once the step's labels are known.
+  check_depth: jax.Array | None = None
+  check_extra: jax.Array | None = None
 
 
 class Plan(NamedTuple):
@@ -175,6 +182,9 @@ class Planner(NamedTuple):
   stop: str = "none"  # the drafting stop in effect (STOPS)
   # (state, active [B] bool) -> [B] bool: which slots draft this step.
   draft_slots: Callable[..., jax.Array] | None = None
+  # (state, accepted [B,K], labeled [B,K]) -> state: the gate's outcome check (`plan`'s
+  # pending judgements against the labels verification produced); identity when not gated.
+  observe: Callable[..., PlannerState] | None = None
 
 
 def exact_policy(*, drafter_kind: str, greedy: bool) -> str:
@@ -299,7 +309,11 @@ def make_planner(
                         next_recheck=int32(recheck_every), recheck_count=int32(0),
                         pay_margin=jnp.full((1 if num_slots is None else num_slots,),
                                             jnp.inf, jnp.float32),
-                        depth_cap=int32(0))
+                        depth_cap=int32(0),
+                        check_depth=jnp.zeros((1 if num_slots is None else num_slots,),
+                                              jnp.int32),
+                        check_extra=jnp.zeros((1 if num_slots is None else num_slots,),
+                                              jnp.float32))
 
   def complete(state: PlannerState) -> PlannerState:
     """`state` with None fields (a hand-built state) as `init()` sets them."""
@@ -310,7 +324,12 @@ def make_planner(
     margin = jnp.reshape(jnp.asarray(state.pay_margin, jnp.float32), (-1,))
     if margin.shape != pays.shape:  # a hand-built verdict without a margin: no evidence
       margin = jnp.full(pays.shape, jnp.inf, jnp.float32)
-    return state._replace(slot_pays=pays, pay_margin=margin)
+    depth = jnp.reshape(jnp.asarray(state.check_depth, jnp.int32), (-1,))
+    extra = jnp.reshape(jnp.asarray(state.check_extra, jnp.float32), (-1,))
+    if depth.shape != pays.shape or extra.shape != pays.shape:  # nothing pending
+      depth, extra = jnp.zeros(pays.shape, jnp.int32), jnp.zeros(pays.shape, jnp.float32)
+    return state._replace(slot_pays=pays, pay_margin=margin, check_depth=depth,
+                          check_extra=extra)
 
   def verdicts(state: PlannerState, B: int) -> jax.Array:
     """`[B]` or `[1]` bool, `state.slot_pays` checked against B."""
@@ -548,11 +567,74 @@ def make_planner(
     mask = (mask | explored[:, None]) & drafting[:, None]
     if drafted is not None:  # verify only what was drafted (a prefix per slot)
       mask = mask & drafted
+    if gated:
+      new_state = _check_pending(new_state, planned, mask, drafted, cost, R=R)
     explored = explored & drafting
     plan_ = Plan(num_verified=jnp.sum(mask, axis=-1, dtype=jnp.int32), mask=mask,
                  budget=jnp.minimum(budget, B * K), explored=explored,
                  drafting=drafted_slots)
     return plan_, new_state
+
+  def _check_pending(new_state, planned, mask, drafted, cost, *, R):
+    """The outcome check's pending judgements (`observe`): a slot judged on this step's
+    plan whose own margin closed it (< 0; not one closed with its group) is judged again
+    once its labels are known, on the counterfactual step in which every active slot
+    drafts like it and verifies its n drafted positions within the depth cap that
+    verification labels (n > 0). Stored: n and that step's extra cost over a target-only
+    step in token units, `(draft_share_cost(R, f) + verify_cost(R + R n)) / verify_cost(R)
+    - 1`, f its drafted depth share (as `_gate_update` prices it)."""
+    B, K = mask.shape
+    pays = new_state.slot_pays
+    if pays.shape[0] != B:  # the batch gate: one verdict for the batch, nothing per slot
+      return new_state._replace(check_depth=jnp.zeros(pays.shape, jnp.int32),
+                                check_extra=jnp.zeros(pays.shape, jnp.float32))
+    seen = jnp.ones((B, K), bool) if drafted is None else jnp.asarray(drafted)
+    own = jnp.float32(1.0)
+    if drafted is not None:
+      if stop == "survival" and config.stop_price_passes:  # judged at the cap
+        cap = new_state.depth_cap
+        seen = seen & (jnp.arange(K)[None] < jnp.where(cap > 0, cap, K))
+      depth = jnp.sum(seen, axis=1, dtype=jnp.int32)
+      own = jnp.where(depth > 0, depth / K, 1.0).astype(jnp.float32)
+    n = jnp.sum(mask & seen, axis=1, dtype=jnp.int32)  # verified, drafted, within the cap
+    pending = planned & ~pays & (new_state.pay_margin < 0) & (n > 0)
+    base = cost.verify_cost(R)
+    tokens = jnp.minimum(R + R * n, cost.verify_ms.shape[0] - 1)
+    extra = (cost.draft_share_cost(R, own) + cost.verify_cost(tokens)) / jnp.maximum(
+        base, 1e-30) - 1.0
+    return new_state._replace(check_depth=jnp.where(pending, n, 0).astype(jnp.int32),
+                              check_extra=jnp.where(pending, extra, 0.0).astype(jnp.float32))
+
+  def observe(state: PlannerState, accepted: jax.typing.ArrayLike,
+              labeled: jax.typing.ArrayLike) -> PlannerState:
+    """The gate's outcome check: a slot `plan` judged closed on its predicted gain is
+    judged again on what verification found, its accepted drafts among the n positions
+    `plan` stored (`_check_pending`): realized margin `a / extra - 1`. Where that is > 0
+    the slot reopens with it (it drafts at the next step and is judged there as a
+    drafting slot, its margin smoothed from this one). A verdict judged on one step's
+    predictions alone (a fresh request's first drafts scored 0.2 and accepted 8 of 8 at
+    EAGLE B = 2) otherwise waited out a doubled re-check interval while its drafts paid.
+    The labels are this step's outcome, so every decision still reads earlier steps only
+    (rule 2). Clears what was pending. Identity for a planner that is not gated."""
+    if not gated:
+      return state
+    state = complete(state)
+    accepted = jnp.asarray(accepted, bool)
+    labeled = jnp.asarray(labeled, bool)
+    _checks.rank("accepted", accepted, 2, "BK")
+    _checks.shape("labeled", labeled, accepted.shape, "BK")
+    n, extra = state.check_depth, state.check_extra
+    if n.shape[0] != accepted.shape[0]:  # the batch gate: nothing per slot is pending
+      return state
+    got = jnp.sum(jnp.cumprod((accepted & labeled).astype(jnp.int32), axis=1), axis=1)
+    got = jnp.minimum(got, n).astype(jnp.float32)
+    m = jnp.where(extra > 0, got / jnp.maximum(extra, 1e-30) - 1.0, _MAX_MARGIN)
+    m = jnp.clip(m, -1.0, _MAX_MARGIN).astype(jnp.float32)
+    reopen = (n > 0) & (m > 0)
+    pays = state.slot_pays | reopen
+    return state._replace(slot_pays=pays, drafting_pays=jnp.any(pays),
+                          pay_margin=jnp.where(reopen, m, state.pay_margin),
+                          check_depth=jnp.zeros_like(n), check_extra=jnp.zeros_like(extra))
 
   def _gate_update(state, new_state, pays_before, planned, mask, surv, cost, *, R, d,
                    drafted=None, live=None):
@@ -711,4 +793,4 @@ def make_planner(
 
   return Planner(init=init, plan=plan, policy=policy, should_draft=should_draft,
                  config=config, gated=gated, keep_drafting=keep_drafting, stop=stop,
-                 draft_slots=draft_slots)
+                 draft_slots=draft_slots, observe=observe)

@@ -78,6 +78,9 @@ class PlannerConfig:
                                     # None: max(1, ceil(B / 8))
   pay_smoothing: float = 0.3  # weight of the newest step in a drafting slot's smoothed
                               # pay margin (1: the last step alone decides)
+  outcome_check: bool = False  # a slot judged closed on its predicted gain reopens where
+                               # its labelled drafts say drafting pays (`observe`); off by
+                               # default: 0.96-1.01x wall on this CPU (BENCHMARKS.md)
   draft_stop: str = "none"       # one of STOPS: when an autoregressive drafter stops
   stop_margin: float = 0.5       # survival stop: tau = margin * smallest admitted survival
   stop_min_depth: int = 1        # survival stop: every drafting request drafts this many
@@ -567,7 +570,7 @@ def make_planner(
     mask = (mask | explored[:, None]) & drafting[:, None]
     if drafted is not None:  # verify only what was drafted (a prefix per slot)
       mask = mask & drafted
-    if gated:
+    if gated and config.outcome_check:
       new_state = _check_pending(new_state, planned, mask, drafted, cost, R=R)
     explored = explored & drafting
     plan_ = Plan(num_verified=jnp.sum(mask, axis=-1, dtype=jnp.int32), mask=mask,
@@ -615,8 +618,9 @@ def make_planner(
     predictions alone (a fresh request's first drafts scored 0.2 and accepted 8 of 8 at
     EAGLE B = 2) otherwise waited out a doubled re-check interval while its drafts paid.
     The labels are this step's outcome, so every decision still reads earlier steps only
-    (rule 2). Clears what was pending. Identity for a planner that is not gated."""
-    if not gated:
+    (rule 2). Clears what was pending. Identity for a planner that is not gated, or with
+    `PlannerConfig.outcome_check` off."""
+    if not (gated and config.outcome_check):
       return state
     state = complete(state)
     accepted = jnp.asarray(accepted, bool)

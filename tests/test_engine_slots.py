@@ -348,3 +348,32 @@ def test_a_burst_into_an_idle_batch_drafts_only_where_drafting_paid(paid):
     state = prefill(params, state, prompt, jnp.int32(5), jnp.int32(slot), jnp.int32(8))
   np.testing.assert_array_equal(
       engine.decider.draft_slots(state.decision, state.active), np.full(B, paid))
+
+
+@pytest.mark.parametrize("kind,copy_target", [("draft_lm", True), ("eagle", False),
+                                              ("block", False)])
+def test_the_outcome_check_reopens_slots_and_keeps_greedy_identity(kind, copy_target):
+  """`outcome_check` (the gate's outcome check, `Planner.observe`) on: the estimator's
+  prior predicts almost no acceptance (intercept -6, no refit within the run), so the
+  plan judges every drafting slot closed; where its labelled drafts were accepted the
+  slot reopens at the next step. Output: exactly target-only greedy decoding, with the
+  check on or off. With the target as drafter (every draft accepted) the check reopens
+  slots, so the run drafts on more steps and takes fewer; off, it drafts only on re-checks
+  and admissions (the negative control)."""
+  want = [fx.greedy_reference(copy_target, p, n) for p, n in zip(PROMPTS, MAX_NEW)]
+  runs = {}
+  for check in (True, False):
+    engine, params = _engine(kind, copy_target, outcome_check=check, init_intercept=-6.0,
+                             refit_interval=1000)
+    assert engine.config.planner.outcome_check is check
+    B, K = engine.config.num_slots, engine.config.max_draft
+    result = E.generate(engine, params, PROMPTS, max_new_tokens=MAX_NEW, key=fx.key(0),
+                        cost=_cost(B, K, 0.5), keep_infos=True)
+    assert [c.tokens for c in result.completions] == want, f"outcome_check={check}"
+    infos = result.infos
+    active = np.concatenate([i.active for i in infos]) > 0
+    runs[check] = (np.concatenate([i.drafting for i in infos])[active], active.sum())
+  if copy_target:
+    (on, steps_on), (off, steps_off) = runs[True], runs[False]
+    assert on.sum() > off.sum(), (on.sum(), off.sum())
+    assert steps_on < steps_off, (steps_on, steps_off)

@@ -407,6 +407,74 @@ def test_one_bad_step_does_not_close_a_paying_slot_and_a_recheck_opens_on_fresh_
   assert not np.asarray(s1.slot_pays).any()
 
 
+def test_the_outcome_check_reopens_a_slot_whose_accepted_drafts_pay():
+  """A slot judged closed on its predicted gain is judged again on its labels
+  (`observe`): its accepted drafts among the positions verification labelled, against
+  the extra cost of every active slot drafting and verifying that many (hand-computed).
+  It reopens where that pays, with that margin; one accepted draft does not pay here, so
+  it stays closed (negative control), and so do slots with no labelled position. What
+  was pending is cleared; a batch verdict and an ungated planner are left alone."""
+  planner, cost = _planner(outcome_check=True), _step_cost()
+  active = jnp.ones((B,), bool)
+  bad = jnp.full((B, K), 0.02, jnp.float32)
+  state = planner.init(B)  # step 0: an exploration step, every slot drafting (untried)
+  drafting = planner.draft_slots(state, active)
+  assert np.asarray(drafting).all()
+  plan, state = planner.plan(state, bad, cost, active=active, drafting=drafting)
+  explored = np.asarray(plan.explored)
+  assert explored.sum() == 1 and not np.asarray(state.slot_pays).any()
+  e = int(np.argmax(explored))
+  # Only the explored slot verified positions: it alone is pending, with all K.
+  want_depth = np.where(explored, K, 0)
+  np.testing.assert_array_equal(state.check_depth, want_depth)
+  R = B
+  extra = (float(cost.draft_share_cost(R, 1.0)) + float(cost.verify_cost(R + R * K))
+           ) / float(cost.verify_cost(R)) - 1.0
+  assert extra == pytest.approx(1.13, rel=1e-5)  # (0.13 + 2.0) / 1.0 - 1
+  np.testing.assert_allclose(state.check_extra, np.where(explored, extra, 0.0), rtol=1e-5)
+  closed_margin = np.asarray(state.pay_margin)
+
+  def labels(accepted_prefix):
+    accepted = np.zeros((B, K), bool)
+    accepted[e, :accepted_prefix] = True
+    labeled = np.zeros((B, K), bool)
+    labeled[e, :min(accepted_prefix + 1, K)] = True
+    return jnp.asarray(accepted), jnp.asarray(labeled)
+
+  after = planner.observe(state, *labels(K))  # all K accepted: K / 1.13 - 1 > 0
+  pays = np.zeros(B, bool)
+  pays[e] = True
+  np.testing.assert_array_equal(after.slot_pays, pays)
+  assert bool(after.drafting_pays)
+  m = np.asarray(after.pay_margin)
+  assert m[e] == pytest.approx(K / extra - 1.0, rel=1e-5)
+  np.testing.assert_array_equal(np.delete(m, e), np.delete(closed_margin, e))
+  assert not np.asarray(after.check_depth).any() and not np.asarray(after.check_extra).any()
+  assert np.asarray(planner.draft_slots(after, active))[e]
+  # Negative control: one accepted draft (1 / 1.13 - 1 < 0) leaves it closed.
+  kept = planner.observe(state, *labels(1))
+  assert not np.asarray(kept.slot_pays).any()
+  np.testing.assert_array_equal(kept.pay_margin, closed_margin)
+  # Observed twice: nothing is pending the second time.
+  again = planner.observe(kept, *labels(K))
+  assert not np.asarray(again.slot_pays).any()
+  # A batch verdict ([1]) has nothing per slot; an ungated planner's observe is identity.
+  batch = planner.init()
+  _, batch = planner.plan(batch, bad, cost, active=active, drafting=True)
+  assert np.asarray(batch.check_depth).shape == (1,) and not np.asarray(batch.check_depth).any()
+  chex.assert_trees_all_equal(planner.observe(batch, *labels(K)), planner.observe(
+      batch, *labels(0)))
+  for plain in (_planner(skip_unprofitable_drafts=False, outcome_check=True), _planner()):
+    s = plain.init(B)
+    assert plain.observe(s, *labels(K)) is s
+  # Off (the default): nothing is pending after the same plan.
+  _, off = _planner().plan(_planner().init(B), bad, cost, active=active, drafting=drafting)
+  assert not np.asarray(off.check_depth).any()
+  # Jitted, the same answer.
+  jitted = jax.jit(planner.observe)(state, *labels(K))
+  chex.assert_trees_all_close(jitted, after)
+
+
 def test_a_stopped_drafting_loop_is_charged_the_passes_that_ran():
   """With `drafted` a prefix of depth j < K in every slot (a drafting stop), the step is
   charged j / K of the drafting cost: a verdict that flips between the full and the

@@ -63,6 +63,7 @@ _FLAT = {
     "explore_every": ("planner", "explore_every"),
     "skip_unprofitable_drafts": ("planner", "skip_unprofitable_drafts"),
     "draft_recheck_every": ("planner", "recheck_every"),
+    "outcome_check": ("planner", "outcome_check"),
 }
 
 

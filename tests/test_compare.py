@@ -147,6 +147,30 @@ def test_confidence_thresholds_reach_the_engine():
     assert engine.decider.planner.config.confidence_threshold == want
 
 
+def test_num_buckets_reaches_every_engine_and_the_cli_parses_it():
+  """`compare(num_buckets=N)` / `av-jax compare --num-buckets N`: every engine's config
+  carries N (a static arm keeps its one bucket); None keeps the engine's default; a
+  non-positive N is refused naming the flag."""
+  import argparse
+  from av_jax import cli
+  from av_jax import engine as E
+  arm_av, arm_fixed = C.parse_arms("av,fixed:4", max_draft=8)
+  for n, want in ((None, E.EngineConfig().num_buckets), (6, 6)):
+    runner = C.Runner(temperature=1.0, top_p=1.0, max_len=24, refit_interval=4,
+                      num_buckets=n, log=lambda *_: None)
+    config = runner._config(1, arm_av)
+    assert config.num_buckets == want
+    assert runner._config(1, arm_fixed).bucket_sizes() == (5,)
+  assert E.EngineConfig(num_slots=1, max_draft=8, num_buckets=6).bucket_sizes() == (
+      1, 2, 4, 6, 9)
+  parser = argparse.ArgumentParser()
+  cli._compare_args(parser)
+  assert parser.parse_args(["--num-buckets", "6"]).num_buckets == 6
+  assert parser.parse_args([]).num_buckets is None
+  with pytest.raises(SystemExit):
+    parser.parse_args(["--num-buckets", "0"])
+
+
 def test_a_comparison_without_a_static_arm_still_prints():
   """Adaptive arms only (e.g. `--arms av,av-no-stop,confstop:0.8`): no best static arm,
   and the table still prints (it crashed after the timing, losing the results)."""

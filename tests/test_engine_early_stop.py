@@ -295,6 +295,54 @@ def test_nonfinite_depth_2_still_verifies_position_1():
   np.testing.assert_array_equal(bad.accepted[1], clean.accepted[1])
 
 
+# ------------------------------------------- features kept from the drafting stop
+
+
+@pytest.mark.parametrize("kind", AR_KINDS)
+def test_drafts_carry_the_features_the_stop_computed(kind):
+  """With a stop, `_draft` takes each drafted depth's feature from the stop's own
+  per-depth computation (`DraftOutput.keep_aux`) instead of recomputing `logit_qmax` over
+  `[B, K, V]`: the features must equal that recomputation, the uniform row's feature at
+  the positions not drafted, and the early stop must have left some undrafted."""
+  from av_jax import features as F
+  from av_jax.engine import core
+  cfg, drafter, params = fx.pair(kind)
+  B, K = 3, 4
+  engine = E.make_engine(E.EngineConfig(num_slots=B, max_draft=K, max_len=40, mode="av",
+                                        temperature=1.0, num_buckets=1), cfg, drafter)
+  # Dear passes and verification: the stop ends drafting early (positions not drafted).
+  cost = av_jax.make_cost_model(np.full(B + 1, 5.0), 1.0 + 0.5 * np.arange(B * (K + 1) + 1))
+  state = E.init_state(engine, params, fx.key(5), cost)
+  for slot, prompt in enumerate(([1, 2, 3], [4, 9], [5, 6, 7, 8])):
+    padded = jnp.zeros((8,), jnp.int32).at[:len(prompt)].set(jnp.asarray(prompt))
+    state = E.prefill(engine, params, state, prompt=padded, prompt_len=jnp.int32(len(prompt)),
+                      slot=jnp.int32(slot), max_new=jnp.int32(20))
+  V = cfg.target.vocab_size
+
+  @jax.jit
+  def both(state, key):
+    drafts = core._draft(engine, params, state.drafter, key, state.decision,
+                         active=state.active)
+    keep_fn, aux0 = core._keep_fn(engine, state.active, state.decision)
+    out = engine.drafter.draft(params.drafter, params.target, state.drafter, key, K=K,
+                               temperature=1.0, top_p=1.0, keep_fn=keep_fn, keep_init=aux0)
+    return drafts, out
+
+  step = jax.jit(E.step, static_argnums=0)
+  checked = np.zeros((B, K), bool)
+  for seed in range(4):
+    drafts, out = both(state, jax.random.PRNGKey(seed))
+    assert out.keep_aux is not None
+    drafted = np.arange(K)[None] < np.asarray(out.depth)[:, None]
+    log_probs = jnp.where(jnp.asarray(drafted)[..., None], out.log_probs, -jnp.log(V * 1.0))
+    want = np.asarray(F.logit_qmax(log_probs))
+    np.testing.assert_allclose(np.asarray(drafts.features), want, rtol=1e-5, atol=1e-5)
+    checked |= ~drafted
+    state, _ = step(engine, params, state)
+  # Random tiny drafters are poor: the stop ends early, so the uniform branch is covered.
+  assert checked.any()
+
+
 # ------------------------------------------------------------- idle slots inert
 
 

@@ -215,6 +215,29 @@ def _eagle_uncached(params, feats, tokens):
   return f, logits
 
 
+def test_eagle_head_pick_runs_the_head_on_the_picked_columns_only():
+  """`EagleHead(..., pick=idx)` returns row b's logits at column idx[b] ([B, V]): the
+  same as the full head's `[B, P, V]` picked, and different columns give different rows
+  (the negative control: a pick that ignored `idx` would pass the first check only at
+  one column)."""
+  params = models.init_drafter_params("eagle", CFG, jax.random.PRNGKey(3))
+  head = drafters._eagle_module(CFG, "causal")  # pylint: disable=protected-access
+  B, P, D = 3, 5, CFG.target.d_model
+  feats = jax.random.normal(jax.random.PRNGKey(4), (B, P, D))
+  tokens = jax.random.randint(jax.random.PRNGKey(5), (B, P), 0, CFG.target.vocab_size)
+  positions = jnp.broadcast_to(jnp.arange(P), (B, P))
+  emb = transformer.embedding(TARGET)
+  f, full, _ = head.apply({"params": params}, emb, feats, tokens, positions)
+  for idx in ([0, 2, 4], [4, 4, 1]):
+    idx = jnp.asarray(idx)
+    f2, picked, _ = head.apply({"params": params}, emb, feats, tokens, positions, pick=idx)
+    assert picked.shape == (B, CFG.target.vocab_size)
+    np.testing.assert_array_equal(np.asarray(f2), np.asarray(f))
+    np.testing.assert_allclose(np.asarray(picked), np.asarray(full)[np.arange(B), idx],
+                               rtol=1e-5, atol=1e-5)
+  assert not np.allclose(np.asarray(full)[:, 0], np.asarray(full)[:, 4], atol=1e-3)
+
+
 def _eagle_reference(params, seq, drafted):
   """Uncached EAGLE logits for the K drafts after committed `seq`, recomputed from scratch.
 

@@ -828,7 +828,15 @@ def _draft(engine: Engine, params: Params, drafter_state: DrafterState, key: jax
     extra = jnp.zeros((B, K, 0), jnp.float32)
   top1 = (jnp.exp(jnp.max(log_probs, axis=-1)) if engine.decider.planner.stop == "confidence"
           else jnp.zeros((B, K), jnp.float32))
-  return Drafts(tokens=draft.tokens, probs=probs, features=logit_qmax(log_probs), conf=conf,
+  if draft.keep_aux is not None and draft.log_probs is not None:
+    # The stop computed each drafted depth's feature from the log-probs these are at a
+    # usable position (`_keep_fn`); other positions hold the uniform row's feature, as
+    # `logit_qmax(log_probs)` would give. Not recomputed over `[B, K, V]`.
+    features = jnp.where(usable, draft.keep_aux[0],
+                         logit_qmax(jnp.full((1, 1, log_probs.shape[-1]), uniform))[0, 0])
+  else:
+    features = logit_qmax(log_probs)
+  return Drafts(tokens=draft.tokens, probs=probs, features=features, conf=conf,
                 finite=finite, extra=extra, state=draft.state, usable=usable, depth=depth,
                 passes=passes, top1=top1)
 

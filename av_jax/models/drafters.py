@@ -87,7 +87,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Callable, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -349,6 +349,9 @@ class DraftOutput(NamedTuple):
   # of logits / tokens / log_probs at deeper positions are zeros); None: all K.
   depth: jax.Array | None = None
   passes: jax.Array | None = None  # [] int32 drafter passes run; None: K (or 1, parallel)
+  # The `keep_fn`'s last `aux` when one stopped drafting (what it computed per depth,
+  # e.g. the features the engine would otherwise recompute); None without `keep_fn`.
+  keep_aux: Any = None
 
 
 class Drafter(NamedTuple):
@@ -471,14 +474,19 @@ class EagleHead(nn.Module):
   mode: str = "causal"
 
   @nn.compact
-  def __call__(self, embedding, hidden, tokens, positions, cache=None, write_positions=None):
+  def __call__(self, embedding, hidden, tokens, positions, cache=None, write_positions=None,
+               pick=None):
+    """`(features [B, P, D], logits, new cache)`: logits `[B, P, V]`, or with `pick [B]`
+    only row b's column `pick[b]`, `[B, V]` (the head, D x V per token, run on the
+    columns used and not on every pending one)."""
     e = embedding[tokens] * math.sqrt(self.d_model)
     x = nn.Dense(self.d_model, use_bias=False, name="fc")(jnp.concatenate([hidden, e], -1))
     x, new_cache = Block(self.cfg.num_heads, self.cfg.head_dim, self.cfg.mlp_dim,
                          self.rope_theta, self.mode, name="layer")(x, positions, cache, None,
                                                                    write_positions)
     features = RMSNorm(name="norm")(x)
-    return features, _output_logits(features, embedding, self.cfg.head_rank), new_cache
+    head_in = features if pick is None else _pick(features, pick)
+    return features, _output_logits(head_in, embedding, self.cfg.head_rank), new_cache
 
 
 class BlockDrafter(nn.Module):
@@ -626,13 +634,14 @@ def _autoregressive(step, carry, first, keys, K, keep_fn=None, keep_init=None):
   drafts does not depend on where other rows stopped.
 
   Returns `(carry, logits [B,K,V], tokens [B,K], log_probs [B,K,V], depth [B] | None,
-  passes [] | None)`.
+  passes [] | None, aux | None)` (`aux`: the `keep_fn`'s last).
   """
   logits0, tok0, lp0 = first
   if keep_fn is None:
     carry, (logits, toks, lps) = jax.lax.scan(step, carry, (keys[1:],))
     stack = lambda f, rest: jnp.concatenate([f[:, None], jnp.moveaxis(rest, 0, 1)], 1)
-    return carry, stack(logits0, logits), stack(tok0, toks), stack(lp0, lps), None, None
+    return (carry, stack(logits0, logits), stack(tok0, toks), stack(lp0, lps), None, None,
+            None)
   B = tok0.shape[0]
   buffer = lambda x: jnp.zeros((B, K) + x.shape[1:], x.dtype).at[:, 0].set(x)
   keep, aux = keep_fn(jnp.int32(1), logits0, lp0, keep_init)
@@ -653,8 +662,8 @@ def _autoregressive(step, carry, first, keys, K, keep_fn=None, keep_init=None):
     return (j + 1, carry, put(logits, lg), put(toks, tok), put(lps, lp),
             depth + keep.astype(jnp.int32), keep & more, aux)
 
-  passes, carry, logits, toks, lps, depth, _, _ = jax.lax.while_loop(cond, body, init)
-  return carry, logits, toks, lps, depth, passes
+  passes, carry, logits, toks, lps, depth, _, aux = jax.lax.while_loop(cond, body, init)
+  return carry, logits, toks, lps, depth, passes, aux
 
 
 # ------------------------------------------------------------------------------ draft_lm
@@ -695,10 +704,11 @@ def _make_draft_lm(cfg: ModelsConfig) -> Drafter:
       nxt, lp = sample_with_log_probs(k, logits, temperature=temperature, top_p=top_p)
       return (o.cache, nxt, pos + 1), (logits, nxt, lp)
 
-    (cache, _, _), logits, toks, lps, depth, passes = _autoregressive(
+    (cache, _, _), logits, toks, lps, depth, passes, aux = _autoregressive(
         step, (out.cache, tok0, pos_n + 1), (logits0, tok0, lp0), keys, K, keep_fn,
         keep_init)
-    return DraftOutput(logits, toks, None, state._replace(cache=cache), lps, depth, passes)
+    return DraftOutput(logits, toks, None, state._replace(cache=cache), lps, depth, passes,
+                       aux)
 
   def absorb(params, target_params, state):
     del target_params
@@ -721,10 +731,10 @@ def _make_eagle(cfg: ModelsConfig) -> Drafter:
                                 num_heads=ecfg.num_heads, head_dim=ecfg.head_dim,
                                 mlp_dim=ecfg.mlp_dim)
 
-  def run(params, emb, hidden, tokens, positions, cache, write):
+  def run(params, emb, hidden, tokens, positions, cache, write, pick=None):
     layer = LayerKV(cache.k[0], cache.v[0])
     feats, logits, new = dense_head.apply({"params": params}, emb, hidden, tokens, positions,
-                                          layer, write)
+                                          layer, write, pick)
     return feats, logits, transformer.KVCache(new.k[None], new.v[None])
 
   def init_state(params, target_params, *, prompt, prompt_hidden, next_token, K, max_len,
@@ -750,10 +760,11 @@ def _make_eagle(cfg: ModelsConfig) -> Drafter:
     positions, valid = _pending_inputs(state)
     positions = positions - 1  # head position = sequence position - 1 (see init_state)
     max_len = state.cache.k.shape[2]
-    feats, logits, cache = run(params, emb, state.hidden, state.tokens, positions,
-                               state.cache, jnp.where(valid, positions, max_len))
+    # Of the pending columns only the newest predicts depth 1: the head runs on it alone.
     idx = state.num_pending - 1
-    feat0, logits0 = _pick(feats, idx), _pick(logits, idx)
+    feats, logits0, cache = run(params, emb, state.hidden, state.tokens, positions,
+                                state.cache, jnp.where(valid, positions, max_len), idx)
+    feat0 = _pick(feats, idx)
     _, _, pos_n = _last_pending(state)
     keys = jax.random.split(key, K)
     tok0, lp0 = sample_with_log_probs(keys[0], logits0, temperature=temperature, top_p=top_p)
@@ -767,10 +778,11 @@ def _make_eagle(cfg: ModelsConfig) -> Drafter:
       nxt, lp = sample_with_log_probs(k, lg, temperature=temperature, top_p=top_p)
       return (cache, f, nxt, pos + 1), (lg, nxt, lp)
 
-    (cache, _, _, _), logits, toks, lps, depth, passes = _autoregressive(
+    (cache, _, _, _), logits, toks, lps, depth, passes, aux = _autoregressive(
         step, (cache, feat0, tok0, pos_n), (logits0, tok0, lp0), keys, K, keep_fn,
         keep_init)
-    return DraftOutput(logits, toks, None, state._replace(cache=cache), lps, depth, passes)
+    return DraftOutput(logits, toks, None, state._replace(cache=cache), lps, depth, passes,
+                       aux)
 
   def absorb(params, target_params, state):
     positions, valid = _pending_inputs(state)

@@ -215,26 +215,68 @@ def _eagle_uncached(params, feats, tokens):
   return f, logits
 
 
-def test_eagle_head_pick_runs_the_head_on_the_picked_columns_only():
-  """`EagleHead(..., pick=idx)` returns row b's logits at column idx[b] ([B, V]): the
-  same as the full head's `[B, P, V]` picked, and different columns give different rows
-  (the negative control: a pick that ignored `idx` would pass the first check only at
-  one column)."""
+def test_forward_pick_computes_outputs_for_the_picked_tokens_only():
+  """`transformer.forward(..., pick=idx)`: the same cache as the full pass and row b's
+  logits and hidden at token idx[b]; a cacheless pick or a wrong-shaped one is refused."""
+  cfg = CFG.draft_lm
+  params = transformer.init_params(cfg, jax.random.PRNGKey(8))
+  B, S, M = 3, 4, 16
+  cache = transformer.init_cache(cfg, B, M)
+  cache = cache._replace(k=jax.random.normal(jax.random.PRNGKey(9), cache.k.shape),
+                         v=jax.random.normal(jax.random.PRNGKey(10), cache.v.shape))
+  tokens = jax.random.randint(jax.random.PRNGKey(11), (B, S), 0, cfg.vocab_size)
+  positions = jnp.asarray([[2, 3, 4, 5], [0, 1, 2, 3], [7, 8, 9, 10]])
+  valid = jnp.asarray([[True] * 4, [True, True, True, False], [True] * 4])
+  full = transformer.forward(params, tokens, positions, cache, cfg=cfg, valid=valid)
+  idx = jnp.asarray([3, 2, 0])
+  out = transformer.forward(params, tokens, positions, cache, cfg=cfg, valid=valid, pick=idx)
+  rows = np.arange(B), np.asarray(idx)
+  assert out.logits.shape == (B, cfg.vocab_size) and out.hidden.shape == (B, cfg.d_model)
+  np.testing.assert_allclose(np.asarray(out.logits), np.asarray(full.logits)[rows],
+                             rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(out.hidden), np.asarray(full.hidden)[rows],
+                             rtol=1e-5, atol=1e-5)
+  for a, b in zip(out.cache, full.cache):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert not np.allclose(np.asarray(full.logits)[:, 0], np.asarray(full.logits)[:, 2],
+                         atol=1e-3)
+  with pytest.raises(ValueError, match="pick"):
+    transformer.forward(params, tokens, positions, cfg=cfg, pick=idx)
+  with pytest.raises(ValueError, match="pick"):
+    transformer.forward(params, tokens, positions, cache, cfg=cfg, pick=idx[:2])
+
+
+def test_eagle_head_pick_runs_on_past_the_cache_for_the_picked_columns_only():
+  """`EagleHead(..., pick=idx)` (the cached "dense" mode the drafter runs) writes every
+  column's keys and values and returns row b's features and logits at column idx[b]
+  (`[B, D]`, `[B, V]`): the same as the full pass's picked, the same cache, and
+  different columns give different rows (the negative control: a pick that ignored
+  `idx` would pass only at one column)."""
+  from av_jax.models.layers import LayerKV
   params = models.init_drafter_params("eagle", CFG, jax.random.PRNGKey(3))
-  head = drafters._eagle_module(CFG, "causal")  # pylint: disable=protected-access
-  B, P, D = 3, 5, CFG.target.d_model
+  head = drafters._eagle_module(CFG, "dense")  # pylint: disable=protected-access
+  B, P, D, M = 3, 5, CFG.target.d_model, 16
+  e = CFG.eagle
+  cache = LayerKV(jax.random.normal(jax.random.PRNGKey(6), (B, M, e.num_heads, e.head_dim)),
+                  jax.random.normal(jax.random.PRNGKey(7), (B, M, e.num_heads, e.head_dim)))
   feats = jax.random.normal(jax.random.PRNGKey(4), (B, P, D))
   tokens = jax.random.randint(jax.random.PRNGKey(5), (B, P), 0, CFG.target.vocab_size)
-  positions = jnp.broadcast_to(jnp.arange(P), (B, P))
+  positions = jnp.asarray([[3, 4, 5, 6, 7], [0, 1, 2, 3, 4], [8, 9, 10, 11, 12]])
+  write = positions.at[1, 4].set(M)  # a padding column writes nothing
   emb = transformer.embedding(TARGET)
-  f, full, _ = head.apply({"params": params}, emb, feats, tokens, positions)
-  for idx in ([0, 2, 4], [4, 4, 1]):
+  apply = lambda pick: head.apply({"params": params}, emb, feats, tokens, positions, cache,
+                                  write, pick)
+  f, full, c = apply(None)
+  for idx in ([0, 2, 4], [4, 3, 1]):
     idx = jnp.asarray(idx)
-    f2, picked, _ = head.apply({"params": params}, emb, feats, tokens, positions, pick=idx)
-    assert picked.shape == (B, CFG.target.vocab_size)
-    np.testing.assert_array_equal(np.asarray(f2), np.asarray(f))
-    np.testing.assert_allclose(np.asarray(picked), np.asarray(full)[np.arange(B), idx],
-                               rtol=1e-5, atol=1e-5)
+    f2, picked, c2 = apply(idx)
+    assert f2.shape == (B, D) and picked.shape == (B, CFG.target.vocab_size)
+    rows = np.arange(B), np.asarray(idx)
+    np.testing.assert_allclose(np.asarray(f2), np.asarray(f)[rows], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(picked), np.asarray(full)[rows], rtol=1e-5,
+                               atol=1e-5)
+    for a, b in zip(c, c2):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   assert not np.allclose(np.asarray(full)[:, 0], np.asarray(full)[:, 4], atol=1e-3)
 
 

@@ -448,7 +448,7 @@ def cost_model_from_profile(profile: dict, *, num_slots: int, max_tokens: int) -
 
 
 # Bumped whenever what `measure` times changes, so older cached profiles are not reused.
-PROFILE_VERSION = 14  # 3: draft times per draft bucket under the gate; 4, 5: whole steps;
+PROFILE_VERSION = 15  # 3: draft times per draft bucket under the gate; 4, 5: whole steps;
 # 6: the verify pass reads the cache (`Target.verify_read`), as the engine now runs it;
 # 7: entries above a later one re-timed (`retime_falls`): profiles cached before carried
 # load spikes; 8: per-slot verify attention (`Target.verify_read_width`), a gated-off
@@ -456,7 +456,9 @@ PROFILE_VERSION = 14  # 3: draft times per draft bucket under the gate; 4, 5: wh
 # 11: whole-step regimes out of order re-timed (`retime_regimes`); 12: depth-1 drafter
 # programs (`draft_first_ms`) and the "shallow" regime under pass pricing; 13: "skip" times
 # the quiet program (`core.run_mode`) where the engine runs one; 14: every entry timed in
-# `PROGRAM_ROUNDS` / `STEP_ROUNDS` rounds, its smallest kept (a spike in order was cached)
+# `PROGRAM_ROUNDS` / `STEP_ROUNDS` rounds, its smallest kept (a spike in order was cached);
+# 15: an autoregressive drafter's first pass runs its query, MLP and head on the newest
+# pending column only (`pick`): its drafting programs and regimes got cheaper
 
 
 def cache_key(engine: core.Engine) -> str:

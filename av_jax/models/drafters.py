@@ -476,17 +476,19 @@ class EagleHead(nn.Module):
   @nn.compact
   def __call__(self, embedding, hidden, tokens, positions, cache=None, write_positions=None,
                pick=None):
-    """`(features [B, P, D], logits, new cache)`: logits `[B, P, V]`, or with `pick [B]`
-    only row b's column `pick[b]`, `[B, V]` (the head, D x V per token, run on the
-    columns used and not on every pending one)."""
+    """`(features [B, P, D], logits [B, P, V], new cache)`; with `pick [B]` (mode
+    "dense") every column writes the cache but only row b's column `pick[b]` goes on
+    past its keys and values: features `[B, D]`, logits `[B, V]` (the query, the MLP
+    and the head run on the column used, not on every pending one)."""
     e = embedding[tokens] * math.sqrt(self.d_model)
     x = nn.Dense(self.d_model, use_bias=False, name="fc")(jnp.concatenate([hidden, e], -1))
     x, new_cache = Block(self.cfg.num_heads, self.cfg.head_dim, self.cfg.mlp_dim,
                          self.rope_theta, self.mode, name="layer")(x, positions, cache, None,
-                                                                   write_positions)
+                                                                   write_positions, pick)
     features = RMSNorm(name="norm")(x)
-    head_in = features if pick is None else _pick(features, pick)
-    return features, _output_logits(head_in, embedding, self.cfg.head_rank), new_cache
+    if pick is not None:
+      features = features[:, 0]
+    return features, _output_logits(features, embedding, self.cfg.head_rank), new_cache
 
 
 class BlockDrafter(nn.Module):
@@ -689,9 +691,11 @@ def _make_draft_lm(cfg: ModelsConfig) -> Drafter:
             keep_fn=None, keep_init=None):
     del target_params
     positions, valid = _pending_inputs(state)
+    # Every pending token writes the cache; only the newest predicts depth 1, so the last
+    # layer's query and MLP and the head run on it alone (`transformer.forward` pick).
     out = transformer.forward(params, state.tokens, positions, state.cache, cfg=lm_cfg,
-                              valid=valid)
-    logits0 = _pick(out.logits, state.num_pending - 1)
+                              valid=valid, pick=state.num_pending - 1)
+    logits0 = out.logits
     _, _, pos_n = _last_pending(state)
     keys = jax.random.split(key, K)
     tok0, lp0 = sample_with_log_probs(keys[0], logits0, temperature=temperature, top_p=top_p)
@@ -760,11 +764,11 @@ def _make_eagle(cfg: ModelsConfig) -> Drafter:
     positions, valid = _pending_inputs(state)
     positions = positions - 1  # head position = sequence position - 1 (see init_state)
     max_len = state.cache.k.shape[2]
-    # Of the pending columns only the newest predicts depth 1: the head runs on it alone.
+    # Every pending column writes the head's cache; only the newest predicts depth 1, so
+    # only it runs on past its keys and values (`EagleHead` pick).
     idx = state.num_pending - 1
-    feats, logits0, cache = run(params, emb, state.hidden, state.tokens, positions,
+    feat0, logits0, cache = run(params, emb, state.hidden, state.tokens, positions,
                                 state.cache, jnp.where(valid, positions, max_len), idx)
-    feat0 = _pick(feats, idx)
     _, _, pos_n = _last_pending(state)
     keys = jax.random.split(key, K)
     tok0, lp0 = sample_with_log_probs(keys[0], logits0, temperature=temperature, top_p=top_p)

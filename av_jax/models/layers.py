@@ -94,6 +94,11 @@ def _attend(q, k, v, mask):
   return jnp.einsum("...hqk,...khd->...qhd", weights, v)
 
 
+def pick_columns(x: jax.Array, pick: jax.Array) -> jax.Array:
+  """`x[b, pick[b]]` kept as a column: `[B, S, ...]` -> `[B, 1, ...]`."""
+  return jnp.take_along_axis(x, pick.reshape(pick.shape + (1,) * (x.ndim - 1)), 1)
+
+
 def _attend_packed_read(q, k, v, cache: LayerKV, *, slot, positions, write_positions):
   """`packed` attention without writing the cache (mode `packed_read`, module doc).
 
@@ -166,7 +171,11 @@ class Attention(nn.Module):
 
   @nn.compact
   def __call__(self, x, positions, cache: LayerKV | None = None, slot=None,
-               write_positions=None):
+               write_positions=None, pick=None):
+    """`pick [B]` (mode "dense" only): every column writes its keys and values, only
+    column `pick[b]` of row b queries; the output is `[B, 1, D]`."""
+    if pick is not None and self.mode != "dense":
+      raise ValueError(f"pick: expected None outside mode 'dense', got mode {self.mode!r}")
     dense = lambda name: nn.DenseGeneral((self.num_heads, self.head_dim), use_bias=False,
                                          name=name)
     q, k, v = dense("q")(x), dense("k")(x), dense("v")(x)
@@ -186,6 +195,8 @@ class Attention(nn.Module):
       new_cache = LayerKV(cache.k.at[rows, write_positions].set(k, mode="drop"),
                           cache.v.at[rows, write_positions].set(v, mode="drop"))
       mask = jnp.arange(max_len)[None, None, :] <= positions[:, :, None]  # [B, S, M]
+      if pick is not None:
+        q, mask = pick_columns(q, pick), pick_columns(mask, pick)
       out = _attend(q, new_cache.k, new_cache.v, mask)
     elif self.mode == "packed":
       max_len = cache.k.shape[1]
@@ -218,10 +229,13 @@ class Block(nn.Module):
   slot_width: int | None = None  # `Attention.slot_width`
 
   @nn.compact
-  def __call__(self, x, positions, cache=None, slot=None, write_positions=None):
+  def __call__(self, x, positions, cache=None, slot=None, write_positions=None, pick=None):
+    """`pick [B]`: only column `pick[b]` of row b goes on past the keys and values
+    (`Attention`'s pick): the output is `[B, 1, D]`."""
     attn = Attention(self.num_heads, self.head_dim, self.rope_theta, self.mode,
                      self.slot_width, name="attn")
-    h, new_cache = attn(RMSNorm(name="attn_norm")(x), positions, cache, slot, write_positions)
-    x = x + h
+    h, new_cache = attn(RMSNorm(name="attn_norm")(x), positions, cache, slot, write_positions,
+                        pick)
+    x = (x if pick is None else pick_columns(x, pick)) + h
     x = x + GatedMLP(self.mlp_dim, name="mlp")(RMSNorm(name="mlp_norm")(x))
     return x, new_cache

@@ -52,7 +52,10 @@ class Transformer(nn.Module):
 
   @nn.compact
   def __call__(self, tokens, positions, cache: KVCache | None = None, slot=None,
-               write_positions=None):
+               write_positions=None, pick=None):
+    """`pick [B]` (mode "dense"): every column writes every layer's cache, but the last
+    layer's query, MLP, the final norm and the head run only on row b's column
+    `pick[b]` (outputs `[B, 1, ...]`)."""
     cfg = self.cfg
     embed = nn.Embed(cfg.vocab_size, cfg.d_model, embedding_init=embed_init(cfg.d_model),
                      name="embed")
@@ -62,7 +65,8 @@ class Transformer(nn.Module):
       layer_cache = None if cache is None else LayerKV(cache.k[i], cache.v[i])
       x, new_layer = Block(cfg.num_heads, cfg.head_dim, cfg.mlp_dim, cfg.rope_theta,
                            self.mode, self.slot_width, name=f"layer_{i}")(
-                               x, positions, layer_cache, slot, write_positions)
+                               x, positions, layer_cache, slot, write_positions,
+                               pick if i == cfg.num_layers - 1 else None)
       if new_layer is not None:
         ks.append(new_layer.k)
         vs.append(new_layer.v)
@@ -92,7 +96,8 @@ def embedding(params) -> jax.Array:
 
 def forward(params, tokens: jax.typing.ArrayLike, positions: jax.typing.ArrayLike,
             cache: KVCache | None = None, *, cfg: TransformerConfig,
-            valid: jax.typing.ArrayLike | None = None) -> ForwardOutput:
+            valid: jax.typing.ArrayLike | None = None,
+            pick: jax.typing.ArrayLike | None = None) -> ForwardOutput:
   """Dense forward of a block of tokens per slot.
 
   Without a cache this is causal self-attention within each row (training, reference).
@@ -107,9 +112,13 @@ def forward(params, tokens: jax.typing.ArrayLike, positions: jax.typing.ArrayLik
     cache: optional `KVCache` with leading `[L, B, M]`.
     cfg: the model config (static).
     valid: optional `[B, S]` bool; invalid tokens write nothing (their outputs are junk).
+    pick: optional `[B]` int (with a cache): every token writes the cache, but outputs
+      are computed for token `[b, pick[b]]` only (the last layer's query and MLP and the
+      head run on one token per row, as drafting from a pending block needs).
 
   Returns:
-    `ForwardOutput(logits [B,S,V], hidden [B,S,D], cache)`.
+    `ForwardOutput(logits [B,S,V], hidden [B,S,D], cache)`; with `pick`, `logits [B,V]`
+    and `hidden [B,D]`.
   """
   tokens = jnp.asarray(tokens)
   positions = jnp.asarray(positions, jnp.int32)
@@ -117,14 +126,22 @@ def forward(params, tokens: jax.typing.ArrayLike, positions: jax.typing.ArrayLik
   _checks.shape("positions", positions, tokens.shape, "BS")
   _checks.integer("tokens", tokens)
   if cache is None:
+    if pick is not None:
+      raise ValueError("pick: expected None without a cache (it serves the cached pass)")
     return Transformer(cfg, "causal").apply({"params": params}, tokens, positions)
   _checks.shape("cache.k", cache.k, (cfg.num_layers, tokens.shape[0], None, cfg.num_heads,
                                      cfg.head_dim), "LBMHD")
   write = positions
   if valid is not None:
     write = jnp.where(jnp.asarray(valid), positions, cache.k.shape[2])
-  return Transformer(cfg, "dense").apply({"params": params}, tokens, positions, cache, None,
-                                         write)
+  if pick is None:
+    return Transformer(cfg, "dense").apply({"params": params}, tokens, positions, cache, None,
+                                           write)
+  pick = jnp.asarray(pick, jnp.int32)
+  _checks.shape("pick", pick, tokens.shape[:1], "B")
+  out = Transformer(cfg, "dense").apply({"params": params}, tokens, positions, cache, None,
+                                        write, pick)
+  return out._replace(logits=out.logits[:, 0], hidden=out.hidden[:, 0])
 
 
 def _packed_inputs(tokens, slot, positions, valid, cache: KVCache):

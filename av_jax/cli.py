@@ -267,6 +267,9 @@ def _compare_args(p: argparse.ArgumentParser) -> None:
   p.add_argument("--drafter-backlog", type=_positive_int, default=None,
                  help="pending tokens a gated-off autoregressive drafter keeps before "
                       "absorbing them (default 4 (K + 1); 1: the eager catch-up, K + 1)")
+  p.add_argument("--steps-per-chunk", type=_positive_int, default=8,
+                 help="decode steps between host syncs; a freed slot is refilled only "
+                      "there (1: every step, as a serving scheduler admits)")
   p.add_argument("--num-buckets", type=_positive_int, default=None,
                  help="verify buckets of every engine (default: the engine's)")
   p.add_argument("--json", default=None, help="write settings and results here")
@@ -281,6 +284,7 @@ def cmd_compare(args) -> None:
                      temperature=args.temperature, top_p=args.top_p, seed=args.seed,
                      context_len=args.context_len, warm_start=args.warm_start,
                      drafter_backlog=args.drafter_backlog, num_buckets=args.num_buckets,
+                     steps_per_chunk=args.steps_per_chunk,
                      log=lambda line: print(line, flush=True))
   if args.json:
     C.write_json(args.json, result)

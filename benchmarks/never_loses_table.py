@@ -28,14 +28,17 @@ def _static(arm: str) -> bool:
 
 def rows_of(paths):
   groups: dict = {}
+  requests: dict = {}
   settings = None
   for path in sorted(paths):
     with open(path) as f:
       data = json.load(f)
-    settings = settings or data["settings"]
+    s = data["settings"]
+    settings = settings or s
     for rec in data["results"]:
       key = (rec["drafter"], rec["workload"], rec["concurrency"])
       groups.setdefault(key, {})[rec["arm"]] = rec
+      requests[key] = max(s["requests_per_slot"] * rec["concurrency"], s.get("min_requests", 0))
   out = []
   for (drafter, workload, B), arms in sorted(groups.items()):
     if "av" not in arms:
@@ -48,6 +51,7 @@ def rows_of(paths):
     base = per(static["target_only"]) if "target_only" in static else {}
     to_base = [av[r] / base[r] for r in av if r in base]
     out.append(dict(drafter=drafter, workload=workload, concurrency=B, best=best,
+                    requests=requests[(drafter, workload, B)],
                     best_tps=static[best]["tokens_per_s"], av_tps=arms["av"]["tokens_per_s"],
                     ratio=float(np.median(ratio)), lo=min(ratio), hi=max(ratio),
                     vs_target_only=float(np.median(to_base)) if to_base else None,
@@ -67,11 +71,13 @@ def main(argv=None):
   if not rows:
     raise SystemExit(f"out: no never_loses.sh JSON with an av arm in {args.out}")
   fmt = lambda x, d=3: "-" if x is None else f"{x:.{d}f}"
-  print("| drafter | workload | B | best static | best tok/s | av tok/s | av / best (range) | "
-        "av / target-only | steps drafting | drafting cost share | >= %.2f |" % args.goal)
-  print("|---|---|---:|---|---:|---:|---:|---:|---:|---:|---|")
+  print("| drafter | workload | B | requests | best static | best tok/s | av tok/s | "
+        "av / best (range) | av / target-only | steps drafting | drafting cost share | "
+        ">= %.2f |" % args.goal)
+  print("|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---|")
   for r in rows:
-    print(f"| {r['drafter']} | {r['workload']} | {r['concurrency']} | {r['best']} | "
+    print(f"| {r['drafter']} | {r['workload']} | {r['concurrency']} | {r['requests']} | "
+          f"{r['best']} | "
           f"{r['best_tps']:.1f} | {r['av_tps']:.1f} | {r['ratio']:.3f} ({r['lo']:.3f}-"
           f"{r['hi']:.3f}) | {fmt(r['vs_target_only'])} | {fmt(r['drafted'], 2)} | "
           f"{fmt(r['cost_share'], 2)} | {'met' if r['ratio'] >= args.goal else 'missed'} |")
@@ -86,7 +92,7 @@ def main(argv=None):
           f"{'met' if top['ratio'] >= args.mixed_goal else 'missed'}")
   if settings:
     print(f"settings: clock {settings['clock']}, max_new {settings['max_new']}, "
-          f"requests/slot {settings['requests_per_slot']}, repeats {settings['repeats']}, "
+          f"repeats {settings['repeats']}, "
           f"warm_start {settings['warm_start']}, T {settings['temperature']}, top-p "
           f"{settings['top_p']}, K {settings['max_draft']}, jax {settings['jax']}, "
           f"device {settings['device']}")

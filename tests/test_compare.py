@@ -171,6 +171,21 @@ def test_num_buckets_reaches_every_engine_and_the_cli_parses_it():
     parser.parse_args(["--num-buckets", "0"])
 
 
+def test_steps_per_chunk_reaches_compare_from_the_cli(monkeypatch):
+  """`av-jax compare --steps-per-chunk N` hands N to `compare` (a freed slot is refilled
+  only between chunks: 1 admits every step); the default stays 8; 0 is refused."""
+  import argparse
+  seen = {}
+  monkeypatch.setattr(C, "compare", lambda **kw: seen.update(kw) or {"results": []})
+  cli.main(["compare", "--steps-per-chunk", "1", "--concurrency", "2"])
+  assert seen["steps_per_chunk"] == 1
+  parser = argparse.ArgumentParser()
+  cli._compare_args(parser)
+  assert parser.parse_args([]).steps_per_chunk == 8
+  with pytest.raises(SystemExit):
+    parser.parse_args(["--steps-per-chunk", "0"])
+
+
 def test_a_comparison_without_a_static_arm_still_prints():
   """Adaptive arms only (e.g. `--arms av,av-no-stop,confstop:0.8`): no best static arm,
   and the table still prints (it crashed after the timing, losing the results)."""

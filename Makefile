@@ -40,8 +40,9 @@ demo: $(STAMP)
 # A test whose worker process crashed (jaxlib 0.10.2's CPU compiler has aborted at random
 # inside `backend_compile_and_load`, a different test each time, never reproducible alone;
 # likely the memory-map limit, which tests/conftest.py now bounds per test file)
-# is run once more; a test that fails is not (`--only-rerun` matches the crash report only).
-RERUN := --reruns 1 --only-rerun "crashed while running"
+# is run once more, as is one whose compile failed for memory (LLVM's "Failed to materialize
+# symbols"); a test that fails is not (`--only-rerun` matches these reports only).
+RERUN := --reruns 1 --only-rerun "crashed while running" --only-rerun "Failed to materialize symbols"
 # `make test` leaves the tests named in tests/SLOW_TESTS.txt (engine and model tests of
 # >= 12 s each: compile-bound) to `make test-slow`; CI runs both; `make test-all` is both.
 test: $(STAMP)

@@ -62,10 +62,11 @@ def _memory_maps() -> tuple[int, int] | None:
     return None
 
 
-@pytest.fixture(autouse=True, scope="module")
+@pytest.fixture(autouse=True)
 def _bound_memory_maps():
-  """After a test file, drops JAX's compiled-code caches when they hold over half of the
-  per-process memory-map limit. Every compiled executable keeps its own maps (a v2 engine
+  """After each test, drops JAX's compiled-code caches when they hold over half of the
+  per-process memory-map limit (after each test, not each file: one slow file's engines
+  reached the limit inside the file, CI 2026-12-05). Every compiled executable keeps its own maps (a v2 engine
   about 2,400 of the default limit of 65,530), an xdist worker runs many files, and LLVM's
   JIT fails with "Cannot allocate memory" at the limit: a studies run died that way, and
   it is the likely cause of the rare compiler aborts `make test` reruns (Makefile)."""

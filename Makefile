@@ -39,7 +39,7 @@ demo: $(STAMP)
 
 # A test whose worker process crashed (jaxlib 0.10.2's CPU compiler has aborted at random
 # inside `backend_compile_and_load`, a different test each time, never reproducible alone;
-# likely the memory-map limit, which tests/conftest.py now bounds per test file)
+# likely the memory-map limit, which tests/conftest.py now bounds after each test)
 # is run once more, as is one whose compile failed for memory (LLVM's "Failed to materialize
 # symbols"); a test that fails is not (`--only-rerun` matches these reports only).
 RERUN := --reruns 1 --only-rerun "crashed while running" --only-rerun "Failed to materialize symbols"

@@ -92,7 +92,7 @@ def main(argv=None):
           f"{'met' if top['ratio'] >= args.mixed_goal else 'missed'}")
   if settings:
     print(f"settings: clock {settings['clock']}, max_new {settings['max_new']}, "
-          f"repeats {settings['repeats']}, "
+          f"repeats {settings['repeats']}, steps/chunk {settings.get('steps_per_chunk', 8)}, "
           f"warm_start {settings['warm_start']}, T {settings['temperature']}, top-p "
           f"{settings['top_p']}, K {settings['max_draft']}, jax {settings['jax']}, "
           f"device {settings['device']}")

@@ -65,8 +65,8 @@ def _memory_maps() -> tuple[int, int] | None:
 @pytest.fixture(autouse=True)
 def _bound_memory_maps():
   """After each test, drops JAX's compiled-code caches when they hold over half of the
-  per-process memory-map limit (after each test, not each file: one slow file's engines
-  reached the limit inside the file, CI 2026-12-05). Every compiled executable keeps its own maps (a v2 engine
+  per-process memory-map limit (per file was not enough: one slow file's engines reached
+  the limit inside the file, CI 2026-12-05). Every compiled executable keeps its own maps (a v2 engine
   about 2,400 of the default limit of 65,530), an xdist worker runs many files, and LLVM's
   JIT fails with "Cannot allocate memory" at the limit: a studies run died that way, and
   it is the likely cause of the rare compiler aborts `make test` reruns (Makefile)."""

@@ -289,6 +289,10 @@ class StepInfo(NamedTuple):
   # [] int32, drafter rows that ran: the draft bucket E of a gated step, B of an ungated
   # step that drafted, 0 when nothing was drafted
   draft_rows: jax.Array
+  # [B, K] float32, min(1, p(x) / q(x)) of every draft token given its draft prefix: the
+  # probability the target accepts it once the positions before it are accepted (zeros
+  # unless `record_features`; recorded streams replay it as the true acceptance).
+  accept_probs: jax.Array
 
 
 class Params(NamedTuple):
@@ -923,6 +927,8 @@ class _Verdict(NamedTuple):
   target_hidden: jax.Array         # [B, K+1, D] target hidden states of the fed tokens
   target_cache: Any                # the target cache with the fed tokens written
   bucket: jax.Array                # [] int32, index of the packed bucket that ran
+  # [B, K] float32, min(1, p/q) of every draft (recording engines only; else None)
+  accept_probs: jax.Array | None = None
 
 
 class _Stops(NamedTuple):
@@ -993,10 +999,31 @@ def _verify_phase(engine: Engine, params: Params, state: DecodeState, drafts: Dr
   reject = lambda target_probs: rejection_sample(
       key, draft_probs=drafts.probs, draft_tokens=drafts.tokens, target_probs=target_probs,
       num_verified=num_verified)
-  plain = None if packed is True else (~packed, lambda probs: _plain_result(key, probs, K))
-  return _Verdict(*_verify_packed(engine, params.target, state.target_cache, tokens=tokens,
-                                  positions=positions, valid=valid, finish=reject,
-                                  plain=plain))
+  record = engine.config.record_features
+  if record:
+    reject = lambda target_probs, reject=reject: (
+        reject(target_probs), _accept_probs(drafts, target_probs))
+  plain_result = lambda probs: _plain_result(key, probs, K)
+  if record:
+    plain_result = lambda probs, plain_result=plain_result: (
+        plain_result(probs), jnp.zeros((B, K), jnp.float32))
+  plain = None if packed is True else (~packed, plain_result)
+  finished, hidden, cache, bucket = _verify_packed(
+      engine, params.target, state.target_cache, tokens=tokens, positions=positions,
+      valid=valid, finish=reject, plain=plain)
+  if record:
+    return _Verdict(finished[0], hidden, cache, bucket, accept_probs=finished[1])
+  return _Verdict(finished, hidden, cache, bucket)
+
+
+def _accept_probs(drafts: Drafts, target_probs: jax.Array) -> jax.Array:
+  """`[B, K]`: min(1, p(x) / q(x)) of every draft token, its acceptance probability given
+  the draft prefix before it (`target_probs [B, K+1, V]` conditioned on that prefix)."""
+  K = drafts.tokens.shape[1]
+  token = jnp.clip(drafts.tokens, 0, drafts.probs.shape[-1] - 1)[..., None]
+  q_x = jnp.take_along_axis(drafts.probs, token, axis=-1)[..., 0]
+  p_x = jnp.take_along_axis(target_probs[:, :K], token, axis=-1)[..., 0]
+  return jnp.where(q_x > 0, jnp.minimum(1.0, p_x / jnp.maximum(q_x, 1e-30)), 0.0)
 
 
 def _apply_stops(cfg: EngineConfig, state: DecodeState, result: RejectionResult) -> _Stops:
@@ -1111,7 +1138,9 @@ def _decide_and_verify(engine: Engine, params: Params, state: DecodeState,
                   num_verified=plan.num_verified,
                   draft_passes=jnp.where(jnp.any(slots), drafts.passes, 0).astype(jnp.int32),
                   drafted_depth=jnp.where(slots, drafts.depth, 0),
-                  draft_slots=slots, draft_rows=jnp.asarray(rows, jnp.int32))
+                  draft_slots=slots, draft_rows=jnp.asarray(rows, jnp.int32),
+                  accept_probs=(verdict.accept_probs if verdict.accept_probs is not None
+                                else jnp.zeros(drafts.features.shape, jnp.float32)))
   return new_state, info
 
 

@@ -1,0 +1,443 @@
+"""The decision: who drafts, how deep, and what is verified, from one priced objective.
+
+At every step AV picks, among the candidate sets of draft positions, the one that
+maximises expected emitted tokens per unit of priced step time:
+
+    rate(n) = (R + S_(1) + ... + S_(n)) / (draft_ms(rows, depths) + verify_ms(R + n))
+
+R is the number of active requests (each emits at least one token a step), S_(i) the i-th
+largest survival (the probability that a draft position and every one before it is
+accepted) among the candidate positions, ranked with ties to the lower position, then the
+lower slot. Because survival never increases along a request, every prefix of the ranking
+is a prefix of each request's positions: candidate n drafts, for each request, the
+positions of it among the top n. So "drafting does not pay" (n = 0), "only these
+requests draft" and "stop after depth 2" are outcomes of one argmax (`choose`), priced by
+the deployment's tables: `draft_depth_ms[R_k, k]` for the R_k requests that draft depth
+k + 1, `verify_ms[T]` for T verified tokens.
+
+A step runs in two halves, both exact (docs/algorithm.md sections 5 and 10):
+
+1. `plan`, before drafting, from information fixed before this step's draws: every
+   active request's predicted survival curve (the estimator on its latest drafted
+   features; the running mean feature of each depth where it has none) gives the rows
+   that draft and each row's depth.
+2. `verify`, after drafting: with a parallel drafter or greedy drafting the drafts'
+   distributions do not depend on this step's draws, so the choice is made again over
+   the drafted positions with their own features (the drafting cost now sunk); with
+   sampled autoregressive drafting the planned positions are verified (a set fixed
+   before the draws).
+
+Exploration (`explore_credit`) keeps labels arriving at every depth: one request, round
+robin, drafts and verifies all K positions whenever the exploration credit, a stated
+share of the step time so far, covers the priced cost of doing so.
+
+The policy is a composition of parts, each an `(init, update)` pair over its own state
+(`Part`): the estimator (coefficients), the memory (each request's latest features) and
+the explorer. An ablation is another composition (`make_policy(..., memory=...,
+explorer=...)`).
+
+Example (one request, K = 2, verify 1.0 ms + 0.1 ms a token, drafting 0.2 ms a depth):
+survivals [0.9, 0.5] give rates 1/1.0, 1.9/1.3 = 1.46, 2.4/1.6 = 1.5: draft and verify
+both positions. Survivals [0.3, 0.1] give 1/1.0, 1.3/1.3 = 1.0, 1.4/1.6: draft nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from av_jax.estimator import EstimatorConfig, online_estimator
+
+DRAFTER_KINDS = ("autoregressive", "parallel")
+
+
+class StepCost(NamedTuple):
+  """Priced step time of one deployment (milliseconds by convention; a pytree)."""
+  # [R_max + 1, K] float32, what drafting depth k + 1 adds for R requests: an
+  # autoregressive drafter's pass k + 1; for a parallel drafter, its pass with a block of
+  # k + 1 positions less its pass with k (`parallel_depths`), so drafting d positions
+  # costs the first d columns either way.
+  draft_depth_ms: jax.Array
+  verify_ms: jax.Array  # [T_max + 1] float32, one target pass over T tokens
+
+  @classmethod
+  def from_tables(cls, tables) -> "StepCost":
+    """From `av_jax.costs.CostTables` (modelled or measured)."""
+    return cls(jnp.asarray(tables.draft_depth_ms, jnp.float32),
+               jnp.asarray(tables.cost.verify_ms, jnp.float32))
+
+  @staticmethod
+  def parallel_depths(pass_ms) -> np.ndarray:
+    """`[R_max + 1, K]` depth increments of a parallel drafter from `pass_ms [K, R_max +
+    1]`, its pass with a block of k + 1 positions for R requests (kept non-decreasing
+    in the block)."""
+    passes = np.maximum.accumulate(np.asarray(pass_ms, np.float64), axis=0)
+    return np.diff(passes, axis=0, prepend=0.0).T
+
+  def draft(self, rows_at_depth: jax.Array) -> jax.Array:
+    """Drafting cost of `rows_at_depth [..., K]` requests drafting each depth."""
+    R_max, K = self.draft_depth_ms.shape[0] - 1, self.draft_depth_ms.shape[1]
+    rows = jnp.minimum(rows_at_depth, R_max)
+    return jnp.sum(jnp.take_along_axis(
+        jnp.broadcast_to(self.draft_depth_ms.T, (*rows.shape[:-1], K, R_max + 1)),
+        rows[..., None], axis=-1)[..., 0], axis=-1)
+
+  def verify(self, tokens: jax.Array) -> jax.Array:
+    return self.verify_ms[jnp.minimum(tokens, self.verify_ms.shape[0] - 1)]
+
+
+class Choice(NamedTuple):
+  num: jax.Array       # [B] int32, chosen positions of each request (a prefix)
+  budget: jax.Array    # [] int32, positions chosen (sum of num)
+  expected: jax.Array  # [] float32, expected emitted tokens
+  cost_ms: jax.Array   # [] float32, priced step time
+
+
+def choose(survival: jax.Array, *, eligible: jax.Array, forced: jax.Array,
+           active: jax.Array, cost: StepCost, sunk_ms: jax.typing.ArrayLike = 0.0,
+           price_drafting: bool = True, parallel: bool = False) -> Choice:
+  """The candidate set of draft positions with the highest expected tokens per ms.
+
+  Args:
+    survival: `[B, K]` survival of each position (non-increasing along a row).
+    eligible: `[B, K]` bool, positions that may be chosen (a prefix of each row).
+    forced: `[B, K]` bool, positions that must be chosen (eligible ones; exploration).
+    active: `[B]` bool, requests decoding this step.
+    cost: the step's prices.
+    sunk_ms: time already spent this step (drafting done), added to every candidate.
+    price_drafting: charge the drafting of the chosen rows and depths (before drafting);
+      False after drafting.
+    parallel: a parallel drafter's one pass runs every drafting request to the deepest
+      chosen depth (its block), priced as such; else each request drafts its own depth.
+
+  Returns:
+    The `Choice`; n = 0 (nothing drafted or verified) when nothing pays.
+  """
+  B, K = survival.shape
+  eligible = eligible & active[:, None]
+  forced = forced & eligible
+  key = jnp.where(forced, 2.0 + survival, jnp.where(eligible, survival, -1.0))
+  # Position-major flattening (index k * B + b) and a stable sort: ties go to the lower
+  # position, then the lower slot.
+  order = jnp.argsort(-key.T.reshape(-1), stable=True)
+  ranked_s = jnp.where(eligible, survival, 0.0).T.reshape(-1)[order]
+  ranked_k = order // B
+  zeros = lambda shape, dtype: jnp.zeros(shape, dtype)
+  gain = jnp.concatenate([zeros((1,), jnp.float32), jnp.cumsum(ranked_s)])
+  num_active = jnp.sum(active, dtype=jnp.int32)
+  n = jnp.arange(B * K + 1)
+  verify = cost.verify(num_active + n)
+  total = jnp.asarray(sunk_ms, jnp.float32) + verify
+  if price_drafting:
+    rows = jnp.concatenate([zeros((1, K), jnp.int32), jnp.cumsum(
+        jax.nn.one_hot(ranked_k, K, dtype=jnp.int32), axis=0)])       # [B K + 1, K]
+    if parallel:  # one pass runs every drafting request to the deepest chosen depth
+      depth = jnp.sum(rows > 0, axis=1, keepdims=True)
+      rows = jnp.where(jnp.arange(K)[None, :] < depth, rows[:, :1], 0)
+    total = total + cost.draft(rows)
+  expected = num_active + gain
+  ok = (n >= jnp.sum(forced)) & (n <= jnp.sum(eligible))
+  value = jnp.where(ok, expected / jnp.maximum(total, 1e-9), -jnp.inf)
+  best = jnp.argmax(value).astype(jnp.int32)  # the smallest n among equal values
+  chosen = jnp.zeros((B * K,), bool).at[order].set(jnp.arange(B * K) < best)
+  num = jnp.sum(chosen.reshape(K, B).T, axis=1, dtype=jnp.int32)
+  return Choice(num=jnp.where(active, num, 0), budget=best, expected=expected[best],
+                cost_ms=total[best])
+
+
+# ----------------------------------------------------------------------------- parts
+
+
+class Part(NamedTuple):
+  """One part of the policy: pure functions over its own state."""
+  init: Callable[..., Any]    # (num_slots, K) -> state
+  update: Callable[..., Any]  # (state, step: StepOutcome) -> state
+
+
+class StepOutcome(NamedTuple):
+  """What a step did, as every part's `update` reads it."""
+  features: jax.Array  # [B, K] float32, the drafted features (junk where not drafted)
+  drafted: jax.Array   # [B, K] bool, positions drafted this step
+  accepted: jax.Array  # [B, K] bool, verification outcome
+  labeled: jax.Array   # [B, K] bool, positions with a label
+  step_ms: jax.Array   # [] float32, priced time of the step
+  explore_ms: jax.Array  # [] float32, priced time of this step's exploration (0: none)
+  emitted: jax.Array     # [] float32, tokens the step emitted
+  predicted: jax.Array | None = None  # [B, K] float32, the estimator's acceptance
+                                      # probabilities of `features` (set by `learn`)
+
+
+class MemoryState(NamedTuple):
+  latest: jax.Array  # [B, K] float32, each request's latest drafted feature per depth
+  known: jax.Array   # [B, K] bool, `latest` holds one of the current request's features
+  age: jax.Array     # [B, K] float32, steps since `latest` was drafted
+  mean: jax.Array    # [K] float32, running mean feature per depth (all requests)
+  seen: jax.Array    # [K] float32, features averaged into `mean` (capped)
+  decay: float = 1.0  # a feature `age` steps old counts decay**age, the mean the rest
+
+
+def latest_features(*, horizon: float = 256.0, decay: float = 0.8) -> Part:
+  """Each request's features at its last drafted step, shrunk toward the depth's
+  running mean (over the last ~`horizon` drafted features) by `decay` per step of age;
+  where a request has none at a depth, that mean. Example: latest 2.0, mean 0.0, drafted
+  3 steps ago, decay 0.8: predicted from 0.8**3 * 2.0 = 1.02."""
+
+  def init(num_slots: int, K: int) -> MemoryState:
+    return MemoryState(latest=jnp.zeros((num_slots, K), jnp.float32),
+                       known=jnp.zeros((num_slots, K), bool),
+                       age=jnp.zeros((num_slots, K), jnp.float32),
+                       mean=jnp.zeros((K,), jnp.float32), seen=jnp.zeros((K,), jnp.float32),
+                       decay=decay)
+
+  def update(state: MemoryState, step: StepOutcome) -> MemoryState:
+    d = step.drafted
+    count = jnp.sum(d, axis=0).astype(jnp.float32)
+    total = jnp.sum(jnp.where(d, step.features, 0.0), axis=0)
+    seen = jnp.minimum(state.seen + count, horizon)
+    mean = jnp.where(count > 0, state.mean + (total - count * state.mean)
+                     / jnp.maximum(seen, 1.0), state.mean)
+    return state._replace(latest=jnp.where(d, step.features, state.latest),
+                          known=state.known | d, age=jnp.where(d, 0.0, state.age + 1.0),
+                          mean=mean, seen=seen)
+
+  return Part(init, update)
+
+
+def expected_features(state: MemoryState) -> jax.Array:
+  """`[B, K]`: the features a memory predicts for each request's next step."""
+  weight = jnp.where(state.known, jnp.asarray(state.decay, jnp.float32) ** state.age, 0.0)
+  return state.mean[None, :] + weight * (state.latest - state.mean[None, :])
+
+
+def position_prior() -> Part:
+  """Ablation of `latest_features`: every request is predicted by the depth means."""
+  part = latest_features()
+  return Part(part.init, lambda state, step: part.update(state, step)._replace(
+      known=jnp.zeros_like(state.known)))
+
+
+class OffsetState(NamedTuple):
+  grad: jax.Array  # [B] float32, sum over the request's labels of (y - mu)
+  hess: jax.Array  # [B] float32, sum over the request's labels of mu (1 - mu)
+
+
+def request_offsets(*, prior: float = 4.0) -> Part:
+  """Each request's own acceptance level: a logit offset `u_b` added to the shared
+  model's, one Newton step from 0 on the request's labels under a Gaussian prior of
+  precision `prior`, `u_b = sum (y - mu) / (sum mu (1 - mu) + prior)` (mu the shared
+  model's probability of each label). A request whose drafts the target accepts more
+  often than their features say gets a positive offset. It reads earlier steps' labels
+  only, so it is as exact as the coefficients."""
+
+  def init(num_slots: int, K: int) -> OffsetState:
+    del K
+    return OffsetState(jnp.zeros((num_slots,), jnp.float32),
+                       jnp.zeros((num_slots,), jnp.float32))
+
+  def update(state: OffsetState, step: StepOutcome) -> OffsetState:
+    mu, w = step.predicted, step.labeled
+    return OffsetState(
+        grad=state.grad + jnp.sum(jnp.where(w, step.accepted - mu, 0.0), axis=1),
+        hess=state.hess + jnp.sum(jnp.where(w, mu * (1.0 - mu), 0.0), axis=1))
+
+  return Part(init, update), prior
+
+
+def no_offsets() -> tuple[Part, float]:
+  """Ablation of `request_offsets`: every request follows the shared model alone."""
+  part, _ = request_offsets()
+  return Part(part.init, lambda state, step: state), 1.0
+
+
+class ExploreState(NamedTuple):
+  credit_ms: jax.Array  # [] float32, exploration time earned and not spent
+  next_slot: jax.Array  # [] int32, round-robin pointer
+
+
+def explore_credit(share: float = 0.02) -> Part:
+  """Exploration bounded to `share` of step time: each step earns `share` of its
+  priced time; a step explores (one request drafts and verifies all K, round robin)
+  when the credit covers the priced cost of doing so, which is then spent."""
+  if not 0.0 <= share < 1.0:
+    raise ValueError(f"share: expected a number in [0, 1), got {share!r}")
+
+  def init(num_slots: int, K: int) -> ExploreState:
+    del num_slots, K
+    return ExploreState(credit_ms=jnp.zeros((), jnp.float32),
+                        next_slot=jnp.zeros((), jnp.int32))
+
+  def update(state: ExploreState, step: StepOutcome) -> ExploreState:
+    credit = state.credit_ms + share * step.step_ms - step.explore_ms
+    B = step.drafted.shape[0]
+    return ExploreState(credit_ms=jnp.minimum(credit, 64.0 * step.step_ms),
+                        next_slot=jnp.where(step.explore_ms > 0, (state.next_slot + 1) % B,
+                                            state.next_slot))
+
+  return Part(init, update)
+
+
+def no_exploration() -> Part:
+  """Ablation of `explore_credit`: never explores."""
+  return explore_credit(0.0)
+
+
+def estimator_part(estimator) -> Part:
+  """The online estimator (`av_jax.estimator.online_estimator`) as a part."""
+  return Part(lambda num_slots, K: estimator.init(),
+              lambda state, step: estimator.update(state, step.features, step.accepted,
+                                                   step.labeled))
+
+
+# ---------------------------------------------------------------------------- policy
+
+
+class PolicyState(NamedTuple):
+  estimator: Any        # the estimator part's state (coefficients and round statistics)
+  memory: MemoryState   # the memory part's state
+  offsets: OffsetState  # each request's own acceptance level
+  explore: ExploreState  # the explorer's state
+
+
+class Plan(NamedTuple):
+  """What a step drafts, decided before drafting."""
+  draft: jax.Array     # [B] bool, requests that draft
+  depth: jax.Array     # [B] int32, depths each drafts (K for a parallel drafter)
+  num: jax.Array       # [B] int32, positions the plan would verify (the lagged choice)
+  explore: jax.Array   # [B] bool, the request exploring (all K drafted and verified)
+  explore_ms: jax.Array  # [] float32, priced cost of the exploration (0: none)
+  expected: jax.Array  # [] float32, expected emitted tokens of the plan
+  cost_ms: jax.Array   # [] float32, priced time of the plan
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+  """The decision's verbs; build with `make_policy`."""
+  num_positions: int
+  drafter_kind: str
+  current: bool  # re-choose after drafting (parallel drafter, or greedy drafting)
+  estimator: Any  # OnlineEstimator-like: init(), predict(state, x), update(...)
+  parts: tuple[Part, ...]  # estimator, memory, offsets, explorer
+  offset_prior: float = 4.0  # precision of the request offsets' prior
+
+  def init(self, num_slots: int) -> PolicyState:
+    K = self.num_positions
+    return PolicyState(*(p.init(num_slots, K) for p in self.parts))
+
+  def admit(self, state: PolicyState, slots: jax.Array) -> PolicyState:
+    """New requests in `slots [B]`: their memory and offsets start empty."""
+    memory = state.memory._replace(known=state.memory.known & ~slots[:, None])
+    offsets = jax.tree.map(lambda x: jnp.where(slots, 0.0, x), state.offsets)
+    return state._replace(memory=memory, offsets=offsets)
+
+  def survival(self, state: PolicyState, features: jax.Array) -> jax.Array:
+    """`[B, K]`: survival of drafts with `features`, each request's offset applied."""
+    probs = jnp.clip(self.estimator.predict(state.estimator, features), 1e-6, 1.0 - 1e-6)
+    u = state.offsets.grad / (state.offsets.hess + self.offset_prior)
+    probs = jax.nn.sigmoid(jnp.log(probs) - jnp.log1p(-probs) + u[:, None])
+    return jnp.cumprod(probs, axis=1)
+
+  def predicted_survival(self, state: PolicyState) -> jax.Array:
+    """`[B, K]`: every request's predicted survival curve for its next step."""
+    return self.survival(state, expected_features(state.memory))
+
+  def plan(self, state: PolicyState, active: jax.Array, cost: StepCost) -> Plan:
+    """Before drafting: the rows that draft and their depths (reads no draw of this
+    step)."""
+    B, K = state.memory.latest.shape
+    survival = self.predicted_survival(state)
+    explore = self._explorer(state, active, cost)
+    all_k = jnp.ones((B, K), bool)
+    parallel = self.drafter_kind == "parallel"
+    choice = choose(survival, eligible=all_k, forced=explore[:, None] & all_k,
+                    active=active, cost=cost, parallel=parallel)
+    draft = choice.num > 0
+    depth = jnp.where(draft, jnp.max(choice.num) if parallel else choice.num, 0)
+    return Plan(draft=draft, depth=depth.astype(jnp.int32), num=choice.num, explore=explore,
+                explore_ms=jnp.where(jnp.any(explore), self._explore_ms(active, cost), 0.0),
+                expected=choice.expected, cost_ms=choice.cost_ms)
+
+  def verify(self, state: PolicyState, plan: Plan, features: jax.Array, active: jax.Array,
+             cost: StepCost, draft_ms: jax.typing.ArrayLike) -> jax.Array:
+    """After drafting: `[B]` positions each request verifies."""
+    if not self.current:
+      return plan.num
+    K = self.num_positions
+    drafted = jnp.arange(K)[None, :] < plan.depth[:, None]
+    survival = self.survival(state, features)
+    choice = choose(survival, eligible=drafted, forced=drafted & plan.explore[:, None],
+                    active=active, cost=cost, sunk_ms=draft_ms, price_drafting=False)
+    return choice.num
+
+  def learn(self, state: PolicyState, step: StepOutcome) -> PolicyState:
+    step = step._replace(predicted=jnp.clip(
+        self.estimator.predict(state.estimator, step.features), 0.0, 1.0))
+    return PolicyState(*(p.update(s, step) for p, s in zip(self.parts, state)))
+
+  def _explore_ms(self, active, cost: StepCost) -> jax.Array:
+    K = self.num_positions
+    R = jnp.sum(active, dtype=jnp.int32)
+    return (cost.draft(jnp.ones((K,), jnp.int32)) + cost.verify(R + K) - cost.verify(R))
+
+  def _explorer(self, state: PolicyState, active, cost: StepCost) -> jax.Array:
+    """`[B]` bool: the request that explores this step (none, or one)."""
+    e = state.explore
+    B = active.shape[0]
+    due = jnp.any(active) & (e.credit_ms >= self._explore_ms(active, cost))
+    # The first active slot at or after the pointer, cyclically.
+    distance = (jnp.arange(B) - e.next_slot) % B
+    slot = jnp.argmin(jnp.where(active, distance, B))
+    return due & (jnp.arange(B) == slot)
+
+
+def identity_estimator(K: int):
+  """An estimator that reads its input as the acceptance probabilities (the replay feeds
+  it the true ones, to separate the estimator's errors from the decision's)."""
+  class _Identity(NamedTuple):
+    init: Callable
+    predict: Callable
+    update: Callable
+  return _Identity(init=lambda: jnp.zeros((), jnp.float32),
+                   predict=lambda state, x: x, update=lambda state, *a, **k: state)
+
+
+def make_policy(num_positions: int, *, drafter_kind: str, greedy: bool = False,
+                estimator: Any = None, memory: Part | None = None,
+                offsets: tuple[Part, float] | None = None, explorer: Part | None = None,
+                estimator_config: EstimatorConfig | None = None) -> Policy:
+  """Builds the policy for a drafter.
+
+  Args:
+    num_positions: K, draft positions per request.
+    drafter_kind: "parallel" (one pass drafts all K) or "autoregressive" (a pass per depth).
+    greedy: drafts are the drafter's arg-max (its distributions do not depend on draws).
+    estimator: an `OnlineEstimator`-like object (default: `online_estimator(K)`).
+    memory: the memory part (default `latest_features()`).
+    explorer: the exploration part (default `explore_credit(0.02)`).
+    estimator_config: settings of the default estimator.
+
+  Returns:
+    A `Policy`: `init(B)`, `admit`, `plan`, `verify`, `learn`, `predicted_survival`.
+
+  Example:
+    >>> policy = make_policy(8, drafter_kind="parallel")
+    >>> state = policy.init(B)
+    >>> plan = policy.plan(state, active, cost)                  # before drafting
+    >>> num = policy.verify(state, plan, features, active, cost, draft_ms)
+    >>> state = policy.learn(state, StepOutcome(...))             # after verification
+  """
+  if drafter_kind not in DRAFTER_KINDS:
+    raise ValueError(f"drafter_kind: expected one of {DRAFTER_KINDS}, got {drafter_kind!r}")
+  K = int(num_positions)
+  if K < 1:
+    raise ValueError(f"num_positions: expected an int K >= 1, got {num_positions!r}")
+  estimator = estimator or online_estimator(K, estimator_config)
+  offset_part, prior = offsets or request_offsets()
+  parts = (estimator_part(estimator), memory or latest_features(), offset_part,
+           explorer or explore_credit())
+  return Policy(num_positions=K, drafter_kind=drafter_kind,
+                current=(drafter_kind == "parallel" or greedy), estimator=estimator,
+                parts=parts, offset_prior=prior)

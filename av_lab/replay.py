@@ -1,0 +1,382 @@
+"""Replay: recorded draft streams through any decision, cost table and concurrency.
+
+A replayed request is a recorded stream (`av_lab.record`): at its t-th decode step it
+drafts the recorded features and, verifying m of its drafts, emits
+`min(accepted_t, m) + 1` tokens (its recorded accepted length under full verification,
+capped by what is verified). The approximation: a request's next step does not depend on
+how far this one got (its t + 1-th recorded row is used whatever this step emitted); what
+a step drafts is exact for a parallel drafter and, to the depths it drafts, for an
+autoregressive one.
+
+B slots serve `num_requests` requests with per-step admission (a finished request's slot
+takes the next request on the next step) until all are done; each step is charged the
+deployment's priced time (`policy.StepCost`: drafting the rows and depths drafted, then
+verifying the tokens fed), and the run's rate is emitted tokens per priced second. Every
+arm replays the same requests:
+
+* `target_only`, `fixed:k`: every active request drafts and verifies k positions, priced
+  by its own deployment's tables (a K = k engine);
+* `av`: `av_jax.policy` with the online estimator, on the K-position tables;
+* `av-true`: the same decision fed the recorded true acceptance probabilities (what the
+  decision's rules cost, apart from the estimator's errors);
+* `oracle`: per step, knowing every request's accepted length, the drafting rows and
+  depths (verifying exactly the accepted drafts) with the highest tokens per ms;
+* ablations of `av` (`av-prior`: no per-request memory; `av-noexplore`: no exploration).
+
+Example: `python -m av_lab.replay --drafters block --workloads mixed --concurrency 64
+--devices h200` prints every arm's modelled tokens/s and AV's ratio to the best static arm.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from av_jax import costs
+from av_jax import policy as P
+from av_lab import record
+
+WORKLOADS = ("code", "prose", "math", "noisy")
+MIXED = "mixed"
+KIND = {"block": "parallel", "block_head": "parallel", "eagle": "autoregressive",
+        "draft_lm": "autoregressive"}
+SHAPES = {"block": "llama3-8b-dflash", "block_head": "llama3-8b-dflash",
+          "eagle": "llama3-8b-eagle3", "draft_lm": "llama3-8b-mtp"}
+ADAPTIVE = ("av", "av-true", "av-prior", "av-noexplore", "av-nooffset", "av-seer", "av-nodecay")
+
+
+class Pool(NamedTuple):
+  """Recorded rows of every stream of a workload (device arrays)."""
+  features: jax.Array      # [rows, K] float32
+  accepted: jax.Array      # [rows] int32
+  accept_probs: jax.Array  # [rows, K] float32
+  starts: np.ndarray       # [N_streams] row of each stream's first step
+  steps: np.ndarray        # [N_streams] recorded steps of each stream
+  groups: np.ndarray       # [N_streams] workload index of each stream
+
+
+class Requests(NamedTuple):
+  start: jax.Array   # [N] int32, first row replayed
+  length: jax.Array  # [N] int32, tokens to emit (<= rows left, so no request runs out)
+
+
+def load_pool(drafter: str, workload: str, directory: str | None = None) -> Pool:
+  names = WORKLOADS if workload == MIXED else (workload,)
+  parts = [record.load(drafter, name, directory) for name in names]
+  base = np.cumsum([0] + [len(p.accepted) for p in parts])[:-1]
+  return Pool(
+      features=jnp.asarray(np.concatenate([p.features for p in parts]), jnp.float32),
+      accepted=jnp.asarray(np.concatenate([p.accepted for p in parts]), jnp.int32),
+      accept_probs=jnp.asarray(np.concatenate([p.accept_probs for p in parts]), jnp.float32),
+      starts=np.concatenate([b + p.offsets[:-1] for b, p in zip(base, parts)]),
+      steps=np.concatenate([p.steps() for p in parts]),
+      groups=np.concatenate([np.full(p.num_requests, i) for i, p in enumerate(parts)]))
+
+
+def make_requests(pool: Pool, *, num: int, length: int, seed: int) -> Requests:
+  """`num` requests of `length` tokens drawn from the pool's streams: request i takes
+  workload i mod G (a mixed pool interleaves its workloads), a random stream of it and a
+  random first step leaving at least `length` steps (fewer tokens where the stream is
+  shorter)."""
+  rng = np.random.default_rng(seed)
+  G = int(pool.groups.max()) + 1
+  start, size = np.zeros(num, np.int32), np.zeros(num, np.int32)
+  for i in range(num):
+    candidates = np.nonzero(pool.groups == i % G)[0]
+    s = candidates[rng.integers(len(candidates))]
+    n = min(length, int(pool.steps[s]))
+    start[i] = pool.starts[s] + rng.integers(int(pool.steps[s]) - n + 1)
+    size[i] = n
+  return Requests(jnp.asarray(start), jnp.asarray(size))
+
+
+class Totals(NamedTuple):
+  tokens: jax.Array      # [] float32, emitted
+  ms: jax.Array          # [] float32, priced time
+  draft_ms: jax.Array    # [] float32, of which drafting
+  explore_ms: jax.Array  # [] float32, of which exploration (priced)
+  steps: jax.Array       # [] int32
+  drafting: jax.Array    # [] int32, steps on which some request drafted
+  verified: jax.Array    # [] float32, draft tokens verified
+  passes: jax.Array      # [] float32, drafter passes (depths run by some request)
+  predicted: jax.Array   # [] float32, accepted drafts the estimator predicted for the
+                         # verified positions (adaptive arms: calibration of the choice)
+  accepted: jax.Array    # [] float32, drafts accepted
+
+
+def _zeros_totals() -> Totals:
+  f, i = (lambda: jnp.zeros((), jnp.float32)), (lambda: jnp.zeros((), jnp.int32))
+  return Totals(f(), f(), f(), f(), i(), i(), f(), f(), f(), f())
+
+
+def _oracle(accepted, active, cost: P.StepCost, K: int) -> jax.Array:
+  """Per step, in hindsight: the drafting rows and depths, verifying exactly the accepted
+  drafts, with the most tokens per ms (best of two candidate orders: by depth, and by
+  request, most accepted first)."""
+  B = accepted.shape[0]
+  j = jnp.arange(K)[None, :]
+  useful = j < accepted[:, None]
+  none = jnp.zeros((B, K), bool)
+  by_depth = P.choose(useful.astype(jnp.float32), eligible=useful, forced=none,
+                      active=active, cost=cost)
+  by_row = P.choose(jnp.where(useful, 1.0 + accepted[:, None] / (K + 1.0), 0.0),
+                    eligible=useful, forced=none, active=active, cost=cost)
+  rate = lambda c: jnp.sum(jnp.where(active, jnp.minimum(accepted, c.num) + 1, 0)) / c.cost_ms
+  return jnp.where(rate(by_row) > rate(by_depth), by_row.num, by_depth.num)
+
+
+@functools.partial(jax.jit, static_argnames=("arm", "num_slots", "kind", "policy"))
+def _run(pool_f, pool_a, pool_p, requests: Requests, cost: P.StepCost, k_static, state0, *,
+         arm: str, num_slots: int, kind: str, policy: P.Policy | None):
+  B, K = num_slots, pool_f.shape[1]
+  N = requests.start.shape[0]
+  j = jnp.arange(K)[None, :]
+  parallel = kind == "parallel"
+
+  def cond(carry):
+    left, nxt = carry[1], carry[2]
+    return jnp.any(left > 0) | (nxt < N)
+
+  def body(carry):
+    row, left, nxt, state, tot = carry
+    idle = left <= 0
+    req = nxt + jnp.cumsum(idle) - 1
+    admit = idle & (req < N)
+    safe = jnp.minimum(req, N - 1)
+    row = jnp.where(admit, requests.start[safe], row)
+    left = jnp.where(admit, requests.length[safe], left)
+    nxt = nxt + jnp.sum(admit, dtype=jnp.int32)
+    active = left > 0
+    R = jnp.sum(active, dtype=jnp.int32)
+    f, a, p = pool_f[row], pool_a[row], pool_p[row]
+    explore_ms = jnp.zeros((), jnp.float32)
+    if arm == "static":
+      m = jnp.where(active, k_static, 0)
+      depth = m
+    elif arm == "oracle":
+      m = _oracle(a, active, cost, K)
+      depth = jnp.where(m > 0, K if parallel else m, 0)
+    else:
+      state = policy.admit(state, admit)
+      x = p if arm == "av-true" else f
+      if arm == "av-seer":  # the plan sees this step's features (an upper bound)
+        state = state._replace(memory=state.memory._replace(
+            latest=f, known=jnp.ones_like(state.memory.known)))
+      if arm == "av-true":  # the plan knows this step's acceptance probabilities too
+        state = state._replace(memory=state.memory._replace(
+            latest=p, known=jnp.ones_like(state.memory.known)))
+      plan = policy.plan(state, active, cost)
+      depth, explore_ms = plan.depth, plan.explore_ms
+    drafted = (j < depth[:, None]) & active[:, None]
+    draft_ms = cost.draft(jnp.sum(drafted, axis=0, dtype=jnp.int32))
+    predicted = jnp.zeros((), jnp.float32)
+    if arm not in ("static", "oracle"):
+      m = policy.verify(state, plan, x, active, cost, draft_ms)
+      survival = policy.survival(state, x)
+      predicted = jnp.sum(jnp.where(j < m[:, None], survival, 0.0))
+    got = jnp.minimum(a, m)
+    emitted = jnp.where(active, jnp.minimum(got + 1, left), 0)
+    step_ms = draft_ms + cost.verify(R + jnp.sum(m))
+    if arm not in ("static", "oracle"):
+      acc = (j < got[:, None]) & active[:, None]
+      labeled = acc | ((j == got[:, None]) & (j < m[:, None]) & active[:, None])
+      state = policy.learn(state, P.StepOutcome(
+          features=x, drafted=drafted, accepted=acc, labeled=labeled, step_ms=step_ms,
+          explore_ms=explore_ms, emitted=jnp.sum(emitted).astype(jnp.float32)))
+    tot = Totals(tokens=tot.tokens + jnp.sum(emitted), ms=tot.ms + step_ms,
+                 draft_ms=tot.draft_ms + draft_ms, explore_ms=tot.explore_ms + explore_ms,
+                 steps=tot.steps + 1, drafting=tot.drafting + jnp.any(drafted),
+                 verified=tot.verified + jnp.sum(m),
+                 passes=tot.passes + (jnp.max(jnp.where(active, depth, 0))),
+                 predicted=tot.predicted + predicted, accepted=tot.accepted + jnp.sum(got))
+    return row + active, left - emitted, nxt, state, tot
+
+  carry = (jnp.zeros((B,), jnp.int32), jnp.zeros((B,), jnp.int32), jnp.zeros((), jnp.int32),
+           state0, _zeros_totals())
+  _, _, _, state, tot = jax.lax.while_loop(cond, body, carry)
+  return tot, state
+
+
+@functools.lru_cache(maxsize=None)  # one object per arm: a compiled replay is reused
+def _policy(arm: str, K: int, kind: str, refit_interval: int) -> P.Policy:
+  est = P.online_estimator(K, refit_interval=refit_interval)
+  if arm == "av-true":
+    return P.make_policy(K, drafter_kind=kind, estimator=P.identity_estimator(K),
+                         offsets=P.no_offsets())
+  if arm == "av-nodecay":
+    return P.make_policy(K, drafter_kind=kind, estimator=est,
+                         memory=P.latest_features(decay=1.0))
+  if arm == "av-nooffset":
+    return P.make_policy(K, drafter_kind=kind, estimator=est, offsets=P.no_offsets())
+  if arm == "av-prior":
+    return P.make_policy(K, drafter_kind=kind, estimator=est, memory=P.position_prior())
+  if arm == "av-noexplore":
+    return P.make_policy(K, drafter_kind=kind, estimator=est, explorer=P.no_exploration())
+  return P.make_policy(K, drafter_kind=kind, estimator=est)
+
+
+def pad_cost(tables: costs.CostTables, K: int, num_slots: int) -> P.StepCost:
+  """A `StepCost` padded to K depth columns and `B (K + 1)` verified tokens (static arms of
+  a smaller K share the adaptive arms' shapes)."""
+  depth = np.zeros((num_slots + 1, K))
+  d = np.asarray(tables.draft_depth_ms)
+  depth[:, :d.shape[1]] = d[:num_slots + 1]
+  v = np.asarray(tables.cost.verify_ms)
+  verify = np.full(num_slots * (K + 1) + 1, v[-1])
+  verify[:len(v)] = v[:len(verify)]
+  return P.StepCost(jnp.asarray(depth, jnp.float32), jnp.asarray(verify, jnp.float32))
+
+
+@functools.lru_cache(maxsize=512)
+def deployment_cost(device: str, drafter: str, num_slots: int, k: int, K: int,
+                    context_len: int = 2048) -> P.StepCost:
+  """The modelled llama3-8b deployment's prices for a K = k engine (k = 0: no drafter);
+  a parallel drafter's depth columns are its passes' increments with the block size."""
+  tables = lambda k, drafter: costs.roofline_costs(
+      "llama3-8b", drafter, device, drafter_kind=KIND[drafter_name], num_slots=num_slots,
+      max_draft=max(k, 1), context_len=context_len)
+  drafter_name = drafter
+  top = tables(k, SHAPES[drafter] if k else None)
+  if k and KIND[drafter] == "parallel":
+    passes = [np.asarray(tables(d, SHAPES[drafter]).draft_depth_ms)[:, 0]
+              for d in range(1, k + 1)]
+    top = top._replace(draft_depth_ms=P.StepCost.parallel_depths(np.stack(passes)))
+  return pad_cost(top, K, num_slots)
+
+
+@dataclasses.dataclass(frozen=True)
+class Point:
+  drafter: str
+  workload: str
+  device: str
+  concurrency: int
+
+
+def static_arms(K: int) -> tuple[str, ...]:
+  return ("target_only",) + tuple(f"fixed:{k}" for k in range(1, K + 1))
+
+
+def replay_point(point: Point, *, arms: Sequence[str], pool: Pool, num_requests: int,
+                 length: int, seed: int = 0, refit_interval: int = 16,
+                 warm: bool = True, cost_fn=None) -> dict[str, dict]:
+  """Every arm at one point; `{arm: {"tokens_per_s", ...}}` (modelled seconds)."""
+  K = int(pool.features.shape[1])
+  B, kind = point.concurrency, KIND[point.drafter]
+  cost_fn = cost_fn or (lambda k: deployment_cost(point.device, point.drafter, B, k, K))
+  requests = make_requests(pool, num=num_requests, length=length, seed=seed)
+  out = {}
+  for arm in arms:
+    if arm in ADAPTIVE:
+      policy = _policy(arm, K, kind, refit_interval)
+      state = policy.init(B)
+      cost, k = cost_fn(K), 0
+      if warm:  # a server that has been running: the estimator starts fitted
+        warmup = make_requests(pool, num=max(B, 32), length=length, seed=seed + 7919)
+        _, state = _run(pool.features, pool.accepted, pool.accept_probs, warmup, cost, 0,
+                        state, arm=arm, num_slots=B, kind=kind, policy=policy)
+        state = policy.init(B)._replace(estimator=state.estimator)
+      mode = arm
+    elif arm == "oracle":
+      policy, state, cost, k, mode = None, jnp.zeros(()), cost_fn(K), 0, "oracle"
+    else:
+      k = 0 if arm == "target_only" else int(arm.split(":")[1])
+      policy, state, cost, mode = None, jnp.zeros(()), cost_fn(k), "static"
+    tot, _ = _run(pool.features, pool.accepted, pool.accept_probs, requests, cost, k, state,
+                  arm=mode, num_slots=B, kind=kind, policy=policy)
+    tot = jax.tree.map(float, jax.device_get(tot))
+    out[arm] = dict(tokens_per_s=1e3 * tot.tokens / tot.ms, tokens=tot.tokens, ms=tot.ms,
+                    steps=tot.steps, drafting_share=tot.drafting / tot.steps,
+                    explore_share=tot.explore_ms / tot.ms, draft_share=tot.draft_ms / tot.ms,
+                    verified_per_step=tot.verified / tot.steps,
+                    passes_per_step=tot.passes / tot.steps,
+                    calibration=tot.predicted / max(tot.accepted, 1.0))
+  return out
+
+
+def summarize(result: dict[str, dict], K: int) -> dict:
+  statics = [a for a in static_arms(K) if a in result]
+  best = max(statics, key=lambda a: result[a]["tokens_per_s"]) if statics else None
+  row = {"best_static": best}
+  for arm, r in result.items():
+    if best is not None:
+      row[f"{arm}/best"] = r["tokens_per_s"] / result[best]["tokens_per_s"]
+  return row
+
+
+def grid(*, drafters: Sequence[str], workloads: Sequence[str], devices: Sequence[str],
+         concurrency: Sequence[int], arms: Sequence[str], requests_per_slot: int = 3,
+         min_requests: int = 96, length: int = 64, seed: int = 0, log=print) -> list[dict]:
+  rows = []
+  for drafter in drafters:
+    for workload in workloads:
+      pool = load_pool(drafter, workload)
+      K = int(pool.features.shape[1])
+      for B in concurrency:
+        for device in devices:
+          point = Point(drafter, workload, device, B)
+          result = replay_point(point, arms=arms, pool=pool,
+                                num_requests=max(requests_per_slot * B, min_requests),
+                                length=length, seed=seed)
+          row = dict(dataclasses.asdict(point), arms=result, **summarize(result, K))
+          rows.append(row)
+          log(format_row(row))
+  return rows
+
+
+def ablation_table(rows: Sequence[dict], arms: Sequence[str]) -> str:
+  """Markdown: per arm, its ratio to the best static arm over the grid's points (min,
+  median, mean) and the points at >= 0.98x and at >= 1.02x."""
+  lines = ["| arm | min | median | mean | points >= 0.98 | points >= 1.02 |",
+           "|---|---:|---:|---:|---:|---:|"]
+  for arm in arms:
+    r = np.asarray([row[f"{arm}/best"] for row in rows if f"{arm}/best" in row])
+    if len(r):
+      lines.append(f"| {arm} | {r.min():.3f} | {np.median(r):.3f} | {r.mean():.3f} | "
+                   f"{int((r >= 0.98).sum())}/{len(r)} | {int((r >= 1.02).sum())}/{len(r)} |")
+  return "\n".join(lines)
+
+
+def format_row(row: dict) -> str:
+  ratios = " ".join(f"{k[:-5]}={v:.3f}" for k, v in row.items()
+                    if k.endswith("/best") and not k.startswith(("fixed", "target")))
+  return (f"{row['drafter']:8s} {row['workload']:6s} {row['device']:8s} "
+          f"B={row['concurrency']:<5d} best={row['best_static']:11s} {ratios}")
+
+
+def main(argv=None) -> None:
+  import argparse
+  import json
+  import time
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--drafters", default="block,eagle,draft_lm")
+  parser.add_argument("--workloads", default="mixed,math,code")
+  parser.add_argument("--devices", default=",".join(costs.DEVICES))
+  parser.add_argument("--concurrency", default="1,4,16,64,256,1024")
+  parser.add_argument("--arms", default=None,
+                      help="default: every static arm, av, av-true, oracle")
+  parser.add_argument("--length", type=int, default=64)
+  parser.add_argument("--requests-per-slot", type=int, default=3)
+  parser.add_argument("--json", default=None)
+  args = parser.parse_args(argv)
+  arms = (args.arms.split(",") if args.arms else
+          list(static_arms(8)) + ["av", "av-true", "oracle"])
+  start = time.perf_counter()
+  rows = grid(drafters=args.drafters.split(","), workloads=args.workloads.split(","),
+              devices=args.devices.split(","),
+              concurrency=[int(c) for c in args.concurrency.split(",")], arms=arms,
+              requests_per_slot=args.requests_per_slot, length=args.length)
+  print(f"{len(rows)} points in {time.perf_counter() - start:.0f} s")
+  print(ablation_table(rows, [a for a in arms if a not in static_arms(8)]))
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+  main()

@@ -82,12 +82,17 @@ class StepCost(NamedTuple):
     """Drafting cost of `rows_at_depth [..., K]` requests drafting each depth."""
     R_max, K = self.draft_depth_ms.shape[0] - 1, self.draft_depth_ms.shape[1]
     rows = jnp.minimum(rows_at_depth, R_max)
-    return jnp.sum(jnp.take_along_axis(
-        jnp.broadcast_to(self.draft_depth_ms.T, (*rows.shape[:-1], K, R_max + 1)),
-        rows[..., None], axis=-1)[..., 0], axis=-1)
+    return jnp.sum(self.draft_depth_ms[rows, jnp.arange(K)], axis=-1)
 
   def verify(self, tokens: jax.Array) -> jax.Array:
     return self.verify_ms[jnp.minimum(tokens, self.verify_ms.shape[0] - 1)]
+
+
+def survival_of(probs: jax.Array) -> jax.Array:
+  """`[B, K]`: survival `S[b, i] = prod_{j <= i} probs[b, j]` (probabilities clipped to
+  [0, 1]; NaN counts as 0, so nothing after it survives)."""
+  probs = jnp.clip(jnp.nan_to_num(probs, nan=0.0), 0.0, 1.0)
+  return jnp.cumprod(probs, axis=1)
 
 
 class Choice(NamedTuple):
@@ -102,6 +107,12 @@ def choose(survival: jax.Array, *, eligible: jax.Array, forced: jax.Array,
            price_drafting: bool = True, parallel: bool = False) -> Choice:
   """The candidate set of draft positions with the highest expected tokens per ms.
 
+  Candidates: for each depth cap d = 1..K (drafting passes or block size), the top n of
+  the eligible positions at depths <= d ranked by survival (ties to the lower position,
+  then the lower slot), n = 0.. their number. A cap matters because a drafter pass costs
+  about the same for one request as for all: "every request to depth 2" can beat "one
+  request to depth 4" at equal survival.
+
   Args:
     survival: `[B, K]` survival of each position (non-increasing along a row).
     eligible: `[B, K]` bool, positions that may be chosen (a prefix of each row).
@@ -109,8 +120,8 @@ def choose(survival: jax.Array, *, eligible: jax.Array, forced: jax.Array,
     active: `[B]` bool, requests decoding this step.
     cost: the step's prices.
     sunk_ms: time already spent this step (drafting done), added to every candidate.
-    price_drafting: charge the drafting of the chosen rows and depths (before drafting);
-      False after drafting.
+    price_drafting: charge the drafting of the chosen rows and depths and try every
+      depth cap (before drafting); False after drafting (one cap, K).
     parallel: a parallel drafter's one pass runs every drafting request to the deepest
       chosen depth (its block), priced as such; else each request drafts its own depth.
 
@@ -118,35 +129,41 @@ def choose(survival: jax.Array, *, eligible: jax.Array, forced: jax.Array,
     The `Choice`; n = 0 (nothing drafted or verified) when nothing pays.
   """
   B, K = survival.shape
+  M = B * K
   eligible = eligible & active[:, None]
   forced = forced & eligible
   key = jnp.where(forced, 2.0 + survival, jnp.where(eligible, survival, -1.0))
   # Position-major flattening (index k * B + b) and a stable sort: ties go to the lower
   # position, then the lower slot.
   order = jnp.argsort(-key.T.reshape(-1), stable=True)
-  ranked_s = jnp.where(eligible, survival, 0.0).T.reshape(-1)[order]
-  ranked_k = order // B
-  zeros = lambda shape, dtype: jnp.zeros(shape, dtype)
-  gain = jnp.concatenate([zeros((1,), jnp.float32), jnp.cumsum(ranked_s)])
+  ranked_s = jnp.where(eligible, survival, 0.0).T.reshape(-1)[order]     # [M]
+  ranked_k = (order // B).astype(jnp.int32)
+  ranked_ok = eligible.T.reshape(-1)[order]
+  caps = jnp.arange(1, K + 1) if price_drafting else jnp.asarray([K])
+  in_cap = (ranked_k[None, :] < caps[:, None]) & ranked_ok[None, :]       # [C, M]
+  prefix = lambda x: jnp.concatenate([jnp.zeros_like(x[:, :1]), jnp.cumsum(x, axis=1)], 1)
+  gain = prefix(jnp.where(in_cap, ranked_s[None, :], 0.0))                  # [C, M + 1]
+  n = prefix(in_cap.astype(jnp.int32))                                      # [C, M + 1]
   num_active = jnp.sum(active, dtype=jnp.int32)
-  n = jnp.arange(B * K + 1)
-  verify = cost.verify(num_active + n)
-  total = jnp.asarray(sunk_ms, jnp.float32) + verify
+  total = jnp.asarray(sunk_ms, jnp.float32) + cost.verify(num_active + n)
   if price_drafting:
-    rows = jnp.concatenate([zeros((1, K), jnp.int32), jnp.cumsum(
-        jax.nn.one_hot(ranked_k, K, dtype=jnp.int32), axis=0)])       # [B K + 1, K]
+    rows = prefix(jax.nn.one_hot(ranked_k, K, dtype=jnp.int32)[None] * in_cap[..., None])
     if parallel:  # one pass runs every drafting request to the deepest chosen depth
-      depth = jnp.sum(rows > 0, axis=1, keepdims=True)
-      rows = jnp.where(jnp.arange(K)[None, :] < depth, rows[:, :1], 0)
+      depth = jnp.sum(rows > 0, axis=-1, keepdims=True)
+      rows = jnp.where(jnp.arange(K) < depth, rows[..., :1], 0)
     total = total + cost.draft(rows)
   expected = num_active + gain
-  ok = (n >= jnp.sum(forced)) & (n <= jnp.sum(eligible))
+  # A candidate ends on an entry within its cap (or is empty), keeps every forced entry.
+  ends_in_cap = jnp.concatenate([jnp.ones_like(in_cap[:, :1]), in_cap], axis=1)
+  deepest_forced = jnp.max(jnp.where(forced, jnp.arange(1, K + 1), 0))
+  ok = ends_in_cap & (n >= jnp.sum(forced)) & (caps[:, None] >= deepest_forced)
   value = jnp.where(ok, expected / jnp.maximum(total, 1e-9), -jnp.inf)
-  best = jnp.argmax(value).astype(jnp.int32)  # the smallest n among equal values
-  chosen = jnp.zeros((B * K,), bool).at[order].set(jnp.arange(B * K) < best)
+  flat = jnp.argmax(value)  # the smallest cap, then the smallest n, among equal values
+  c, i = flat // (M + 1), flat % (M + 1)
+  chosen = jnp.zeros((M,), bool).at[order].set(in_cap[c] & (jnp.arange(M) < i))
   num = jnp.sum(chosen.reshape(K, B).T, axis=1, dtype=jnp.int32)
-  return Choice(num=jnp.where(active, num, 0), budget=best, expected=expected[best],
-                cost_ms=total[best])
+  return Choice(num=jnp.where(active, num, 0), budget=n[c, i].astype(jnp.int32),
+                expected=expected[c, i], cost_ms=total[c, i])
 
 
 # ----------------------------------------------------------------------------- parts
@@ -156,6 +173,7 @@ class Part(NamedTuple):
   """One part of the policy: pure functions over its own state."""
   init: Callable[..., Any]    # (num_slots, K) -> state
   update: Callable[..., Any]  # (state, step: StepOutcome) -> state
+  read: Callable[..., Any] | None = None  # (state) -> what the prediction takes from it
 
 
 class StepOutcome(NamedTuple):
@@ -167,8 +185,6 @@ class StepOutcome(NamedTuple):
   step_ms: jax.Array   # [] float32, priced time of the step
   explore_ms: jax.Array  # [] float32, priced time of this step's exploration (0: none)
   emitted: jax.Array     # [] float32, tokens the step emitted
-  predicted: jax.Array | None = None  # [B, K] float32, the estimator's acceptance
-                                      # probabilities of `features` (set by `learn`)
 
 
 class MemoryState(NamedTuple):
@@ -177,7 +193,6 @@ class MemoryState(NamedTuple):
   age: jax.Array     # [B, K] float32, steps since `latest` was drafted
   mean: jax.Array    # [K] float32, running mean feature per depth (all requests)
   seen: jax.Array    # [K] float32, features averaged into `mean` (capped)
-  decay: float = 1.0  # a feature `age` steps old counts decay**age, the mean the rest
 
 
 def latest_features(*, horizon: float = 256.0, decay: float = 0.8) -> Part:
@@ -190,8 +205,7 @@ def latest_features(*, horizon: float = 256.0, decay: float = 0.8) -> Part:
     return MemoryState(latest=jnp.zeros((num_slots, K), jnp.float32),
                        known=jnp.zeros((num_slots, K), bool),
                        age=jnp.zeros((num_slots, K), jnp.float32),
-                       mean=jnp.zeros((K,), jnp.float32), seen=jnp.zeros((K,), jnp.float32),
-                       decay=decay)
+                       mean=jnp.zeros((K,), jnp.float32), seen=jnp.zeros((K,), jnp.float32))
 
   def update(state: MemoryState, step: StepOutcome) -> MemoryState:
     d = step.drafted
@@ -204,53 +218,19 @@ def latest_features(*, horizon: float = 256.0, decay: float = 0.8) -> Part:
                           known=state.known | d, age=jnp.where(d, 0.0, state.age + 1.0),
                           mean=mean, seen=seen)
 
-  return Part(init, update)
+  def read(state: MemoryState) -> jax.Array:
+    """`[B, K]`: the features predicted for each request's next step."""
+    weight = jnp.where(state.known, jnp.float32(decay) ** state.age, 0.0)
+    return state.mean[None, :] + weight * (state.latest - state.mean[None, :])
 
-
-def expected_features(state: MemoryState) -> jax.Array:
-  """`[B, K]`: the features a memory predicts for each request's next step."""
-  weight = jnp.where(state.known, jnp.asarray(state.decay, jnp.float32) ** state.age, 0.0)
-  return state.mean[None, :] + weight * (state.latest - state.mean[None, :])
+  return Part(init, update, read)
 
 
 def position_prior() -> Part:
   """Ablation of `latest_features`: every request is predicted by the depth means."""
   part = latest_features()
-  return Part(part.init, lambda state, step: part.update(state, step)._replace(
+  return part._replace(update=lambda state, step: part.update(state, step)._replace(
       known=jnp.zeros_like(state.known)))
-
-
-class OffsetState(NamedTuple):
-  grad: jax.Array  # [B] float32, sum over the request's labels of (y - mu)
-  hess: jax.Array  # [B] float32, sum over the request's labels of mu (1 - mu)
-
-
-def request_offsets(*, prior: float = 4.0) -> Part:
-  """Each request's own acceptance level: a logit offset `u_b` added to the shared
-  model's, one Newton step from 0 on the request's labels under a Gaussian prior of
-  precision `prior`, `u_b = sum (y - mu) / (sum mu (1 - mu) + prior)` (mu the shared
-  model's probability of each label). A request whose drafts the target accepts more
-  often than their features say gets a positive offset. It reads earlier steps' labels
-  only, so it is as exact as the coefficients."""
-
-  def init(num_slots: int, K: int) -> OffsetState:
-    del K
-    return OffsetState(jnp.zeros((num_slots,), jnp.float32),
-                       jnp.zeros((num_slots,), jnp.float32))
-
-  def update(state: OffsetState, step: StepOutcome) -> OffsetState:
-    mu, w = step.predicted, step.labeled
-    return OffsetState(
-        grad=state.grad + jnp.sum(jnp.where(w, step.accepted - mu, 0.0), axis=1),
-        hess=state.hess + jnp.sum(jnp.where(w, mu * (1.0 - mu), 0.0), axis=1))
-
-  return Part(init, update), prior
-
-
-def no_offsets() -> tuple[Part, float]:
-  """Ablation of `request_offsets`: every request follows the shared model alone."""
-  part, _ = request_offsets()
-  return Part(part.init, lambda state, step: state), 1.0
 
 
 class ExploreState(NamedTuple):
@@ -258,7 +238,7 @@ class ExploreState(NamedTuple):
   next_slot: jax.Array  # [] int32, round-robin pointer
 
 
-def explore_credit(share: float = 0.02) -> Part:
+def explore_credit(share: float = 0.01) -> Part:
   """Exploration bounded to `share` of step time: each step earns `share` of its
   priced time; a step explores (one request drafts and verifies all K, round robin)
   when the credit covers the priced cost of doing so, which is then spent."""
@@ -298,7 +278,6 @@ def estimator_part(estimator) -> Part:
 class PolicyState(NamedTuple):
   estimator: Any        # the estimator part's state (coefficients and round statistics)
   memory: MemoryState   # the memory part's state
-  offsets: OffsetState  # each request's own acceptance level
   explore: ExploreState  # the explorer's state
 
 
@@ -320,29 +299,24 @@ class Policy:
   drafter_kind: str
   current: bool  # re-choose after drafting (parallel drafter, or greedy drafting)
   estimator: Any  # OnlineEstimator-like: init(), predict(state, x), update(...)
-  parts: tuple[Part, ...]  # estimator, memory, offsets, explorer
-  offset_prior: float = 4.0  # precision of the request offsets' prior
+  parts: tuple[Part, ...]  # estimator, memory, explorer
 
   def init(self, num_slots: int) -> PolicyState:
     K = self.num_positions
     return PolicyState(*(p.init(num_slots, K) for p in self.parts))
 
   def admit(self, state: PolicyState, slots: jax.Array) -> PolicyState:
-    """New requests in `slots [B]`: their memory and offsets start empty."""
-    memory = state.memory._replace(known=state.memory.known & ~slots[:, None])
-    offsets = jax.tree.map(lambda x: jnp.where(slots, 0.0, x), state.offsets)
-    return state._replace(memory=memory, offsets=offsets)
+    """New requests in `slots [B]`: their memory starts empty."""
+    return state._replace(memory=state.memory._replace(
+        known=state.memory.known & ~slots[:, None]))
 
   def survival(self, state: PolicyState, features: jax.Array) -> jax.Array:
-    """`[B, K]`: survival of drafts with `features`, each request's offset applied."""
-    probs = jnp.clip(self.estimator.predict(state.estimator, features), 1e-6, 1.0 - 1e-6)
-    u = state.offsets.grad / (state.offsets.hess + self.offset_prior)
-    probs = jax.nn.sigmoid(jnp.log(probs) - jnp.log1p(-probs) + u[:, None])
-    return jnp.cumprod(probs, axis=1)
+    """`[B, K]`: survival of drafts with `features` under the current coefficients."""
+    return survival_of(self.estimator.predict(state.estimator, features))
 
   def predicted_survival(self, state: PolicyState) -> jax.Array:
     """`[B, K]`: every request's predicted survival curve for its next step."""
-    return self.survival(state, expected_features(state.memory))
+    return self.survival(state, self.parts[1].read(state.memory))
 
   def plan(self, state: PolicyState, active: jax.Array, cost: StepCost) -> Plan:
     """Before drafting: the rows that draft and their depths (reads no draw of this
@@ -373,8 +347,7 @@ class Policy:
     return choice.num
 
   def learn(self, state: PolicyState, step: StepOutcome) -> PolicyState:
-    step = step._replace(predicted=jnp.clip(
-        self.estimator.predict(state.estimator, step.features), 0.0, 1.0))
+    """Every part's update with what the step did."""
     return PolicyState(*(p.update(s, step) for p, s in zip(self.parts, state)))
 
   def _explore_ms(self, active, cost: StepCost) -> jax.Array:
@@ -406,7 +379,7 @@ def identity_estimator(K: int):
 
 def make_policy(num_positions: int, *, drafter_kind: str, greedy: bool = False,
                 estimator: Any = None, memory: Part | None = None,
-                offsets: tuple[Part, float] | None = None, explorer: Part | None = None,
+                explorer: Part | None = None,
                 estimator_config: EstimatorConfig | None = None) -> Policy:
   """Builds the policy for a drafter.
 
@@ -416,7 +389,7 @@ def make_policy(num_positions: int, *, drafter_kind: str, greedy: bool = False,
     greedy: drafts are the drafter's arg-max (its distributions do not depend on draws).
     estimator: an `OnlineEstimator`-like object (default: `online_estimator(K)`).
     memory: the memory part (default `latest_features()`).
-    explorer: the exploration part (default `explore_credit(0.02)`).
+    explorer: the exploration part (default `explore_credit(0.01)`).
     estimator_config: settings of the default estimator.
 
   Returns:
@@ -435,9 +408,8 @@ def make_policy(num_positions: int, *, drafter_kind: str, greedy: bool = False,
   if K < 1:
     raise ValueError(f"num_positions: expected an int K >= 1, got {num_positions!r}")
   estimator = estimator or online_estimator(K, estimator_config)
-  offset_part, prior = offsets or request_offsets()
-  parts = (estimator_part(estimator), memory or latest_features(), offset_part,
+  parts = (estimator_part(estimator), memory or latest_features(),
            explorer or explore_credit())
   return Policy(num_positions=K, drafter_kind=drafter_kind,
                 current=(drafter_kind == "parallel" or greedy), estimator=estimator,
-                parts=parts, offset_prior=prior)
+                parts=parts)

@@ -48,7 +48,7 @@ KIND = {"block": "parallel", "block_head": "parallel", "eagle": "autoregressive"
         "draft_lm": "autoregressive"}
 SHAPES = {"block": "llama3-8b-dflash", "block_head": "llama3-8b-dflash",
           "eagle": "llama3-8b-eagle3", "draft_lm": "llama3-8b-mtp"}
-ADAPTIVE = ("av", "av-true", "av-prior", "av-noexplore", "av-nooffset", "av-seer", "av-nodecay")
+ADAPTIVE = ("av", "av-true", "av-prior", "av-noexplore", "av-seer", "av-nodecay")
 
 
 class Pool(NamedTuple):
@@ -70,10 +70,14 @@ def load_pool(drafter: str, workload: str, directory: str | None = None) -> Pool
   names = WORKLOADS if workload == MIXED else (workload,)
   parts = [record.load(drafter, name, directory) for name in names]
   base = np.cumsum([0] + [len(p.accepted) for p in parts])[:-1]
+  # Rows padded to a multiple of 2**16, so every pool shares one compiled replay.
+  rows = sum(len(p.accepted) for p in parts)
+  pad = lambda x: np.concatenate([x, np.zeros((-rows % 2**16,) + x.shape[1:], x.dtype)])
+  cat = lambda name: pad(np.concatenate([getattr(p, name) for p in parts]))
   return Pool(
-      features=jnp.asarray(np.concatenate([p.features for p in parts]), jnp.float32),
-      accepted=jnp.asarray(np.concatenate([p.accepted for p in parts]), jnp.int32),
-      accept_probs=jnp.asarray(np.concatenate([p.accept_probs for p in parts]), jnp.float32),
+      features=jnp.asarray(cat("features"), jnp.float32),
+      accepted=jnp.asarray(cat("accepted"), jnp.int32),
+      accept_probs=jnp.asarray(cat("accept_probs"), jnp.float32),
       starts=np.concatenate([b + p.offsets[:-1] for b, p in zip(base, parts)]),
       steps=np.concatenate([p.steps() for p in parts]),
       groups=np.concatenate([np.full(p.num_requests, i) for i, p in enumerate(parts)]))
@@ -131,9 +135,11 @@ def _oracle(accepted, active, cost: P.StepCost, K: int) -> jax.Array:
   return jnp.where(rate(by_row) > rate(by_depth), by_row.num, by_depth.num)
 
 
-@functools.partial(jax.jit, static_argnames=("arm", "num_slots", "kind", "policy"))
+@functools.partial(jax.jit, static_argnames=("arm", "num_slots", "kind", "policy",
+                                             "block_choice"))
 def _run(pool_f, pool_a, pool_p, requests: Requests, cost: P.StepCost, k_static, state0, *,
-         arm: str, num_slots: int, kind: str, policy: P.Policy | None):
+         arm: str, num_slots: int, kind: str, policy: P.Policy | None,
+         block_choice: bool = False):
   B, K = num_slots, pool_f.shape[1]
   N = requests.start.shape[0]
   j = jnp.arange(K)[None, :]
@@ -172,6 +178,8 @@ def _run(pool_f, pool_a, pool_p, requests: Requests, cost: P.StepCost, k_static,
         state = state._replace(memory=state.memory._replace(
             latest=p, known=jnp.ones_like(state.memory.known)))
       plan = policy.plan(state, active, cost)
+      if parallel and not block_choice:  # the engine's block drafter drafts its block
+        plan = plan._replace(depth=jnp.where(plan.draft, K, 0))
       depth, explore_ms = plan.depth, plan.explore_ms
     drafted = (j < depth[:, None]) & active[:, None]
     draft_ms = cost.draft(jnp.sum(drafted, axis=0, dtype=jnp.int32))
@@ -207,13 +215,13 @@ def _run(pool_f, pool_a, pool_p, requests: Requests, cost: P.StepCost, k_static,
 def _policy(arm: str, K: int, kind: str, refit_interval: int) -> P.Policy:
   est = P.online_estimator(K, refit_interval=refit_interval)
   if arm == "av-true":
-    return P.make_policy(K, drafter_kind=kind, estimator=P.identity_estimator(K),
-                         offsets=P.no_offsets())
+    return P.make_policy(K, drafter_kind=kind, estimator=P.identity_estimator(K))
+  if arm.startswith("av-explore:"):
+    return P.make_policy(K, drafter_kind=kind, estimator=est,
+                         explorer=P.explore_credit(float(arm.split(":")[1])))
   if arm == "av-nodecay":
     return P.make_policy(K, drafter_kind=kind, estimator=est,
                          memory=P.latest_features(decay=1.0))
-  if arm == "av-nooffset":
-    return P.make_policy(K, drafter_kind=kind, estimator=est, offsets=P.no_offsets())
   if arm == "av-prior":
     return P.make_policy(K, drafter_kind=kind, estimator=est, memory=P.position_prior())
   if arm == "av-noexplore":
@@ -235,15 +243,17 @@ def pad_cost(tables: costs.CostTables, K: int, num_slots: int) -> P.StepCost:
 
 @functools.lru_cache(maxsize=512)
 def deployment_cost(device: str, drafter: str, num_slots: int, k: int, K: int,
-                    context_len: int = 2048) -> P.StepCost:
-  """The modelled llama3-8b deployment's prices for a K = k engine (k = 0: no drafter);
-  a parallel drafter's depth columns are its passes' increments with the block size."""
+                    context_len: int = 2048, block_choice: bool = False) -> P.StepCost:
+  """The modelled llama3-8b deployment's prices for a K = k engine (k = 0: no drafter).
+  A parallel drafter's pass drafts its whole block of k (the engine's); with
+  `block_choice` its depth columns are the pass's increments with the block size (an
+  engine that can run a smaller block on a step)."""
   tables = lambda k, drafter: costs.roofline_costs(
       "llama3-8b", drafter, device, drafter_kind=KIND[drafter_name], num_slots=num_slots,
       max_draft=max(k, 1), context_len=context_len)
   drafter_name = drafter
   top = tables(k, SHAPES[drafter] if k else None)
-  if k and KIND[drafter] == "parallel":
+  if k and KIND[drafter] == "parallel" and block_choice:
     passes = [np.asarray(tables(d, SHAPES[drafter]).draft_depth_ms)[:, 0]
               for d in range(1, k + 1)]
     top = top._replace(draft_depth_ms=P.StepCost.parallel_depths(np.stack(passes)))
@@ -264,22 +274,25 @@ def static_arms(K: int) -> tuple[str, ...]:
 
 def replay_point(point: Point, *, arms: Sequence[str], pool: Pool, num_requests: int,
                  length: int, seed: int = 0, refit_interval: int = 16,
-                 warm: bool = True, cost_fn=None) -> dict[str, dict]:
+                 warm: bool = True, cost_fn=None, block_choice: bool = False
+                 ) -> dict[str, dict]:
   """Every arm at one point; `{arm: {"tokens_per_s", ...}}` (modelled seconds)."""
   K = int(pool.features.shape[1])
   B, kind = point.concurrency, KIND[point.drafter]
-  cost_fn = cost_fn or (lambda k: deployment_cost(point.device, point.drafter, B, k, K))
+  cost_fn = cost_fn or (lambda k: deployment_cost(point.device, point.drafter, B, k, K,
+                                                  block_choice=block_choice))
   requests = make_requests(pool, num=num_requests, length=length, seed=seed)
   out = {}
   for arm in arms:
-    if arm in ADAPTIVE:
+    if arm in ADAPTIVE or arm.startswith("av-explore:"):
       policy = _policy(arm, K, kind, refit_interval)
       state = policy.init(B)
       cost, k = cost_fn(K), 0
       if warm:  # a server that has been running: the estimator starts fitted
         warmup = make_requests(pool, num=max(B, 32), length=length, seed=seed + 7919)
         _, state = _run(pool.features, pool.accepted, pool.accept_probs, warmup, cost, 0,
-                        state, arm=arm, num_slots=B, kind=kind, policy=policy)
+                        state, arm=arm, num_slots=B, kind=kind, policy=policy,
+                        block_choice=block_choice)
         state = policy.init(B)._replace(estimator=state.estimator)
       mode = arm
     elif arm == "oracle":
@@ -288,7 +301,7 @@ def replay_point(point: Point, *, arms: Sequence[str], pool: Pool, num_requests:
       k = 0 if arm == "target_only" else int(arm.split(":")[1])
       policy, state, cost, mode = None, jnp.zeros(()), cost_fn(k), "static"
     tot, _ = _run(pool.features, pool.accepted, pool.accept_probs, requests, cost, k, state,
-                  arm=mode, num_slots=B, kind=kind, policy=policy)
+                  arm=mode, num_slots=B, kind=kind, policy=policy, block_choice=block_choice)
     tot = jax.tree.map(float, jax.device_get(tot))
     out[arm] = dict(tokens_per_s=1e3 * tot.tokens / tot.ms, tokens=tot.tokens, ms=tot.ms,
                     steps=tot.steps, drafting_share=tot.drafting / tot.steps,
@@ -311,7 +324,8 @@ def summarize(result: dict[str, dict], K: int) -> dict:
 
 def grid(*, drafters: Sequence[str], workloads: Sequence[str], devices: Sequence[str],
          concurrency: Sequence[int], arms: Sequence[str], requests_per_slot: int = 3,
-         min_requests: int = 96, length: int = 64, seed: int = 0, log=print) -> list[dict]:
+         min_requests: int = 96, length: int = 64, seed: int = 0, block_choice: bool = False,
+         log=print) -> list[dict]:
   rows = []
   for drafter in drafters:
     for workload in workloads:
@@ -322,7 +336,7 @@ def grid(*, drafters: Sequence[str], workloads: Sequence[str], devices: Sequence
           point = Point(drafter, workload, device, B)
           result = replay_point(point, arms=arms, pool=pool,
                                 num_requests=max(requests_per_slot * B, min_requests),
-                                length=length, seed=seed)
+                                length=length, seed=seed, block_choice=block_choice)
           row = dict(dataclasses.asdict(point), arms=result, **summarize(result, K))
           rows.append(row)
           log(format_row(row))
@@ -363,6 +377,9 @@ def main(argv=None) -> None:
   parser.add_argument("--length", type=int, default=64)
   parser.add_argument("--requests-per-slot", type=int, default=3)
   parser.add_argument("--json", default=None)
+  parser.add_argument("--block-choice", action="store_true",
+                      help="a parallel drafter may run a smaller block on a step")
+  parser.add_argument("--seed", type=int, default=0)
   args = parser.parse_args(argv)
   arms = (args.arms.split(",") if args.arms else
           list(static_arms(8)) + ["av", "av-true", "oracle"])
@@ -370,7 +387,8 @@ def main(argv=None) -> None:
   rows = grid(drafters=args.drafters.split(","), workloads=args.workloads.split(","),
               devices=args.devices.split(","),
               concurrency=[int(c) for c in args.concurrency.split(",")], arms=arms,
-              requests_per_slot=args.requests_per_slot, length=args.length)
+              requests_per_slot=args.requests_per_slot, length=args.length, seed=args.seed,
+              block_choice=args.block_choice)
   print(f"{len(rows)} points in {time.perf_counter() - start:.0f} s")
   print(ablation_table(rows, [a for a in arms if a not in static_arms(8)]))
   if args.json:

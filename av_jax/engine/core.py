@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from av_jax.arms import ARMS, Arm, get_arm, policy_for
+from av_jax.decider import PolicyDecider, make_policy_decider
 from av_jax.decision import Decider, DecisionState, make_decider
 from av_jax.engine import protocols
 from av_jax.engine.protocols import Target
@@ -386,6 +387,11 @@ def make_engine(config: EngineConfig, models: ModelsConfig | None = None,
                        stop_tau=arm.tau)
   if arm.threshold is not None:
     stop_settings["confidence_threshold"] = arm.threshold
+  if arm.name == "av":
+    return Engine(config=config, models=models, target=target, drafter=drafter, policy=policy,
+                  arm=arm, decider=make_policy_decider(
+                      config.max_draft, drafter_kind=drafter.drafting, greedy=config.greedy,
+                      gated=can_skip(drafter), estimator=config.estimator))
   decider = make_decider(
       config.max_draft, policy=policy_for(arm, drafting=drafter.drafting, greedy=config.greedy,
                                           requested=policy),
@@ -483,7 +489,9 @@ def prefill(engine: Engine, params: Params, state: DecodeState, *, prompt: jax.A
   row = row.at[prompt_len].set(first)
   done = (max_new <= 1) | (first == cfg.eos_id)
   return state._replace(
-      planner=_fresh_verdict(state.planner, slot, cfg.num_slots, state.active),
+      planner=(engine.decider.admit(state.planner, slot)
+               if isinstance(engine.decider, PolicyDecider)
+               else _fresh_verdict(state.planner, slot, cfg.num_slots, state.active)),
       target_cache=protocols.insert_slot(target, state.target_cache, cache, slot),
       drafter=insert_slot(state.drafter, dstate, slot),
       tokens=state.tokens.at[slot].set(row),
@@ -1144,6 +1152,14 @@ def _decide_and_verify(engine: Engine, params: Params, state: DecodeState,
   return new_state, info
 
 
+def _prepared(engine: Engine, state: DecodeState) -> DecisionState:
+  """The decision state with this step's plan (`PolicyDecider.prepare`: who drafts and
+  how deep, from earlier steps only); other deciders plan within their verbs."""
+  if isinstance(engine.decider, PolicyDecider):
+    return engine.decider.prepare(state.decision, state.active, state.cost)
+  return state.decision
+
+
 def _windowed(engine: Engine, state: DecodeState) -> bool:
   """The gated step absorbs full backlogs in its draft bucket and writes the drafter's
   `KVCache` after the bucket switch (lazy catch-up with a backlog wider than K + 1)."""
@@ -1173,7 +1189,7 @@ def _gated_step(engine: Engine, params: Params, state: DecodeState, *, key: jax.
   """
   cfg, decider, active = engine.config, engine.decider, state.active
   B, K1, width = cfg.num_slots, cfg.max_draft + 1, engine.pending_width
-  decision = state.decision
+  decision = _prepared(engine, state)
   slots = (jnp.zeros((B,), bool) if quiet
            else decider.draft_slots(decision, active))                    # [B] bool
   windowed = _windowed(engine, state)
@@ -1312,7 +1328,7 @@ def step(engine: Engine, params: Params, state: DecodeState) -> tuple[DecodeStat
   key, k_draft, k_verify = jax.random.split(state.key, 3)
   if engine.arm.drafts and decider.planner.gated:
     return _gated_step(engine, params, state, key=key, k_draft=k_draft, k_verify=k_verify)
-  decision = state.decision
+  decision = _prepared(engine, state)
   # Ungated: every step drafts for all B slots (target-only decoding: none).
   drafting = jnp.asarray(engine.arm.drafts) & decider.drafts(decision)
   drafts = _draft_phase(engine, params, state, k_draft, decision)
@@ -1335,7 +1351,7 @@ def splits_quiet(engine: Engine) -> bool:
 def next_drafts(engine: Engine, state: DecodeState) -> jax.Array:
   """[] bool: the next step of a gated engine drafts for some slot (the gate's verdict,
   `decider.draft_slots`, a function of the state alone)."""
-  return jnp.any(engine.decider.draft_slots(state.decision, state.active))
+  return jnp.any(engine.decider.draft_slots(_prepared(engine, state), state.active))
 
 
 def quiet_step(engine: Engine, params: Params,

@@ -212,26 +212,10 @@ def whole_step_ms(engine: core.Engine, params: core.Params, state: core.DecodeSt
   free = make_cost_model(np.zeros(B + 1), 1.0 + 1e-6 * np.arange(B * (K + 1) + 1))
   free = jax.tree.map(lambda new, old: jnp.asarray(new, old.dtype), free, state.cost)
   default = state.cost
-  regimes = {
-      "skip": planner._replace(slot_pays=jnp.zeros_like(planner.slot_pays),
-                               next_recheck=jnp.asarray(2**30, planner.step.dtype),
-                               step=jnp.ones_like(planner.step)),
-      "one": planner._replace(slot_pays=jnp.arange(B) == 0,
-                              budget=jnp.asarray(K, planner.budget.dtype),
-                              tau=jnp.zeros_like(planner.tau),
-                              depth_cap=jnp.zeros_like(planner.depth_cap),
-                              step=jnp.ones_like(planner.step)),
-      "full": planner._replace(slot_pays=jnp.ones_like(planner.slot_pays),
-                               budget=jnp.asarray(B * K, planner.budget.dtype),
-                               tau=jnp.zeros_like(planner.tau),
-                               depth_cap=jnp.zeros_like(planner.depth_cap),
-                               step=jnp.ones_like(planner.step))}
-  if shallow_regime(engine):
-    regimes["shallow"] = planner._replace(
-        slot_pays=jnp.ones_like(planner.slot_pays),
-        pay_margin=jnp.full_like(planner.pay_margin, 1e6),
-        budget=jnp.asarray(B, planner.budget.dtype), tau=jnp.zeros_like(planner.tau),
-        depth_cap=jnp.ones_like(planner.depth_cap), step=jnp.ones_like(planner.step))
+  if hasattr(engine.decider, "regime"):
+    regimes = {name: engine.decider.regime(planner, name) for name in ("skip", "one", "full")}
+  else:
+    regimes = _planner_regimes(engine, planner)
   # Passes priced dear (1e3 a pass against a verify table of ~1): (R + g_1) / 1 >=
   # (R + g_1 + g_2) / 2 since g_2 <= R, so a depth of 1 is always the best cap.
   pricey = make_cost_model(np.full(B + 1, 1e3 * K), 1.0 + 1e-6 * np.arange(B * (K + 1) + 1))
@@ -572,3 +556,29 @@ def format_profile(profile: dict) -> str:
   for size, ms in zip(profile["buckets"], profile["bucket_ms"]):
     lines.append(f"{size:>9} {ms:>10.3f} {ms / size:>9.4f}")
   return "\n".join(lines)
+
+
+def _planner_regimes(engine, planner):
+  cfg = engine.config
+  B, K = cfg.num_slots, cfg.max_draft
+  regimes = {
+      "skip": planner._replace(slot_pays=jnp.zeros_like(planner.slot_pays),
+                               next_recheck=jnp.asarray(2**30, planner.step.dtype),
+                               step=jnp.ones_like(planner.step)),
+      "one": planner._replace(slot_pays=jnp.arange(B) == 0,
+                              budget=jnp.asarray(K, planner.budget.dtype),
+                              tau=jnp.zeros_like(planner.tau),
+                              depth_cap=jnp.zeros_like(planner.depth_cap),
+                              step=jnp.ones_like(planner.step)),
+      "full": planner._replace(slot_pays=jnp.ones_like(planner.slot_pays),
+                               budget=jnp.asarray(B * K, planner.budget.dtype),
+                               tau=jnp.zeros_like(planner.tau),
+                               depth_cap=jnp.zeros_like(planner.depth_cap),
+                               step=jnp.ones_like(planner.step))}
+  if shallow_regime(engine):
+    regimes["shallow"] = planner._replace(
+        slot_pays=jnp.ones_like(planner.slot_pays),
+        pay_margin=jnp.full_like(planner.pay_margin, 1e6),
+        budget=jnp.asarray(B, planner.budget.dtype), tau=jnp.zeros_like(planner.tau),
+        depth_cap=jnp.ones_like(planner.depth_cap), step=jnp.ones_like(planner.step))
+  return regimes

@@ -1,0 +1,216 @@
+"""The priced decision (`av_jax.policy`) behind the verbs an engine step calls.
+
+One step, in the engine's order:
+
+    decision = decider.prepare(decision, active, cost)   # the plan: who drafts, how deep
+    slots = decider.draft_slots(decision, active)          # [B] bool, rows that draft
+    keep = decider.keep_drafting(decision, probs, drafted, depth, active=..., slots=...)
+    probs = decider.score(decision, features)              # [B, K] acceptance
+    plan, decision = decider.plan(decision, probs, cost, active=active, drafted=usable)
+    decision = decider.learn(decision, features, accepted, labeled)
+
+`prepare` reads nothing drawn this step (rule 2): the plan comes from every request's
+predicted survival curve. `keep_drafting` stops a request at its planned depth.
+`plan` verifies, for a parallel drafter or greedy drafting, the best candidate among the
+drafted positions with their own survivals (the drafting now sunk); with sampled
+autoregressive drafting, the planned positions. `learn` feeds the labels, the priced step
+time and the drafted features to the policy's parts.
+
+The engine carries the state as `DecisionState(estimator=..., planner=PolicyCarry)`.
+
+Example: a step of a B = 2, K = 3 parallel drafter whose plan drafts row 0 only
+(`draft_slots -> [True, False]`) verifies, after drafting, row 0's positions whose
+survival pays, e.g. `plan.num_verified = [2, 0]`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from av_jax import policy as P
+from av_jax.decision import DecisionState
+from av_jax.estimator import EstimatorConfig, online_estimator
+from av_jax.planner import Plan
+from av_jax.selection import CostModel
+
+
+class Pending(NamedTuple):
+  """What `plan` fixed for `learn` of the same step."""
+  drafted: jax.Array   # [B, K] bool, positions drafted
+  step_ms: jax.Array   # [] float32, priced time of the step
+  explore_ms: jax.Array  # [] float32, priced exploration of the step (0: none)
+  active: jax.Array    # [B] bool, requests decoding this step
+
+
+class PolicyCarry(NamedTuple):
+  """The policy's state but the estimator's, with this step's plan (a pytree)."""
+  memory: P.MemoryState
+  explore: P.ExploreState
+  plan: P.Plan        # this step's plan (`prepare`)
+  pending: Pending    # set by `plan`, read by `learn`
+
+
+class PolicyPlanner(NamedTuple):
+  """What the engine reads of a decider's planner (static)."""
+  gated: bool           # rows may be left out of drafting (subset drafting)
+  policy: str           # "current" or "lagged"
+  stop: str = "policy"  # requests stop drafting at their planned depth
+  config: Any = None
+
+
+def step_cost(cost: CostModel, K: int, *, parallel: bool) -> P.StepCost:
+  """`policy.StepCost` of an engine's `CostModel`: a parallel drafter pays its whole
+  pass at depth 1; an autoregressive one `fixed + (full - fixed) / K` at depth 1 and
+  `(full - fixed) / K` at each later depth (`CostModel.draft_share_cost`)."""
+  full = jnp.asarray(cost.draft_ms, jnp.float32)
+  if parallel:
+    depth = jnp.zeros((full.shape[0], K), jnp.float32).at[:, 0].set(full)
+  else:
+    fixed = (jnp.zeros_like(full) if cost.draft_fixed_ms is None
+             else jnp.minimum(jnp.asarray(cost.draft_fixed_ms, jnp.float32), full))
+    each = (full - fixed) / K
+    depth = jnp.broadcast_to(each[:, None], (full.shape[0], K)).at[:, 0].add(fixed)
+  return P.StepCost(depth, jnp.asarray(cost.verify_ms, jnp.float32))
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyDecider:
+  """The engine's decider for the `av` arm (hashable, jit-static)."""
+  policy: P.Policy
+  planner: PolicyPlanner
+  head: bool = False
+
+  @property
+  def estimator(self):
+    return self.policy.estimator
+
+  @property
+  def num_positions(self) -> int:
+    return self.policy.num_positions
+
+  def _parallel(self) -> bool:
+    return self.policy.drafter_kind == "parallel"
+
+  def _state(self, decision: DecisionState) -> P.PolicyState:
+    c = decision.planner
+    return P.PolicyState(estimator=decision.estimator, memory=c.memory, explore=c.explore)
+
+  def init(self, batch_size: int | None = None) -> DecisionState:
+    B, K = batch_size or 1, self.num_positions
+    s = self.policy.init(B)
+    zb, zf = jnp.zeros((B,), jnp.int32), jnp.zeros((), jnp.float32)
+    plan = P.Plan(draft=jnp.zeros((B,), bool), depth=zb, num=zb, explore=jnp.zeros((B,), bool),
+                  explore_ms=zf, expected=zf, cost_ms=zf)
+    pending = Pending(drafted=jnp.zeros((B, K), bool), step_ms=zf, explore_ms=zf,
+                      active=jnp.zeros((B,), bool))
+    carry = PolicyCarry(memory=s.memory, explore=s.explore, plan=plan, pending=pending)
+    return jax.tree.map(jnp.copy, DecisionState(estimator=s.estimator, planner=carry))
+
+  def admit(self, carry: PolicyCarry, slot: jax.Array) -> PolicyCarry:
+    """A new request in `slot`: its memory starts empty."""
+    B = carry.memory.known.shape[0]
+    s = self.policy.admit(P.PolicyState(estimator=None, memory=carry.memory,
+                                        explore=carry.explore), jnp.arange(B) == slot)
+    return carry._replace(memory=s.memory)
+
+  def prepare(self, decision: DecisionState, active: jax.Array,
+              cost: CostModel) -> DecisionState:
+    """This step's plan, from earlier steps only."""
+    sc = step_cost(cost, self.num_positions, parallel=self._parallel())
+    plan = self.policy.plan(self._state(decision), active, sc)
+    if self._parallel():  # the engine's block drafter drafts its whole block
+      plan = plan._replace(depth=jnp.where(plan.draft, self.num_positions, 0).astype(jnp.int32))
+    return decision._replace(planner=decision.planner._replace(plan=plan))
+
+  def draft_slots(self, decision: DecisionState, active: jax.typing.ArrayLike) -> jax.Array:
+    return decision.planner.plan.draft & jnp.asarray(active, bool)
+
+  def drafts(self, decision: DecisionState) -> jax.Array:
+    return jnp.any(decision.planner.plan.draft)
+
+  def score(self, decision: DecisionState, features, *, conf=None) -> jax.Array:
+    del conf
+    return self.policy.estimator.predict(decision.estimator, features)
+
+  def keep_drafting(self, decision: DecisionState, probs, drafted, depth, *, active,
+                    top1=None, slots=None) -> jax.Array:
+    del probs, drafted, top1
+    planned = decision.planner.plan.depth
+    if slots is not None:
+      planned = planned[slots]
+    return jnp.asarray(active, bool) & (depth < planned)
+
+  def plan(self, decision: DecisionState, probs, cost: CostModel, *, active=None,
+           sound=None, drafting=True, drafted=None, top1=None
+           ) -> tuple[Plan, DecisionState]:
+    del top1
+    B, K = jnp.shape(probs)
+    active = jnp.ones((B,), bool) if active is None else jnp.asarray(active, bool)
+    if sound is not None:
+      active_draft = active & jnp.asarray(sound, bool)
+    else:
+      active_draft = active
+    carry = decision.planner
+    planned = carry.plan
+    drafting = jnp.broadcast_to(jnp.asarray(drafting, bool), (B,))
+    drafted = (jnp.ones((B, K), bool) if drafted is None else jnp.asarray(drafted, bool))
+    drafted = drafted & (active_draft & drafting)[:, None]
+    sc = step_cost(cost, K, parallel=self._parallel())
+    draft_ms = sc.draft(jnp.sum(drafted, axis=0, dtype=jnp.int32))
+    if self.policy.current:
+      survival = P.survival_of(probs)
+      choice = P.choose(survival, eligible=drafted, forced=drafted & planned.explore[:, None],
+                        active=active, cost=sc, sunk_ms=draft_ms, price_drafting=False)
+      num = choice.num
+    else:
+      num = jnp.minimum(planned.num, jnp.sum(jnp.cumprod(drafted, axis=1), axis=1))
+    num = jnp.where(active, num, 0).astype(jnp.int32)
+    explored = planned.explore & (num > 0)
+    step_ms = draft_ms + sc.verify(jnp.sum(active, dtype=jnp.int32) + jnp.sum(num))
+    pending = Pending(drafted=drafted, step_ms=step_ms,
+                      explore_ms=jnp.where(jnp.any(explored), planned.explore_ms, 0.0),
+                      active=active)
+    out = Plan(num_verified=num, mask=jnp.arange(K)[None, :] < num[:, None],
+               budget=jnp.sum(num), explored=explored, drafting=drafting & active)
+    return out, decision._replace(planner=carry._replace(pending=pending))
+
+  def learn(self, decision: DecisionState, features, accepted, labeled, *,
+            axis_name: str | None = None) -> DecisionState:
+    del axis_name
+    p = decision.planner.pending
+    accepted = jnp.asarray(accepted, bool)
+    labeled = jnp.asarray(labeled, bool)
+    emitted = (jnp.sum(p.active) + jnp.sum(accepted & labeled)).astype(jnp.float32)
+    state = self.policy.learn(self._state(decision), P.StepOutcome(
+        features=jnp.asarray(features, jnp.float32), drafted=p.drafted,
+        accepted=accepted, labeled=labeled, step_ms=p.step_ms, explore_ms=p.explore_ms,
+        emitted=emitted))
+    carry = decision.planner._replace(memory=state.memory, explore=state.explore)
+    return DecisionState(estimator=state.estimator, planner=carry)
+
+  def regime(self, carry: PolicyCarry, name: str) -> PolicyCarry:
+    """A state whose plans draft nothing ("skip"), slot 0 alone to depth K ("one") or
+    every slot to depth K ("full"): the profiler's whole-step regimes."""
+    B, K = carry.memory.known.shape
+    high = {"skip": jnp.zeros((B,), bool), "one": jnp.arange(B) == 0,
+            "full": jnp.ones((B,), bool)}[name]
+    latest = jnp.where(high[:, None], 60.0, -60.0) * jnp.ones((B, K), jnp.float32)
+    memory = carry.memory._replace(latest=latest, known=jnp.ones((B, K), bool),
+                                   age=jnp.zeros((B, K), jnp.float32))
+    explore = carry.explore._replace(credit_ms=jnp.full_like(carry.explore.credit_ms, -1e9))
+    return carry._replace(memory=memory, explore=explore)
+
+
+def make_policy_decider(num_positions: int, *, drafter_kind: str, greedy: bool, gated: bool,
+                        estimator: EstimatorConfig | None = None) -> PolicyDecider:
+  """The `av` arm's decider for a drafter (`drafter_kind` "parallel" or
+  "autoregressive"; `gated`: the engine can leave rows out of drafting)."""
+  est = online_estimator(num_positions, estimator)
+  policy = P.make_policy(num_positions, drafter_kind=drafter_kind, greedy=greedy,
+                         estimator=est)
+  return PolicyDecider(policy=policy, planner=PolicyPlanner(
+      gated=gated, policy="current" if policy.current else "lagged"))

@@ -7,7 +7,8 @@ synthetic simulator and the studies name arms from here and nowhere else.
 |---------------|--------|-----------------------|--------------------------------|--------------------|
 | `target_only` | no     | -                     | `none`                         | nothing            |
 | `fixed`       | yes    | -                     | `fixed` (all K of every slot)  | what it verified   |
-| `av`          | yes    | the online estimator  | exact for the drafter          | what it verified   |
+| `av`          | yes    | the online estimator  | `av_jax.policy`: one priced choice | what it verified |
+| `av-gate`     | yes    | the online estimator  | exact for the drafter          | what it verified   |
 | `av-no-price` | yes    | the online estimator  | exact for the drafter          | what it verified   |
 | `av-cap`      | yes    | the online estimator  | exact for the drafter          | what it verified   |
 | `av-no-stop`  | yes    | the online estimator  | exact for the drafter          | what it verified   |
@@ -15,8 +16,13 @@ synthetic simulator and the studies name arms from here and nowhere else.
 | `confstop`    | yes    | -                     | `fixed`, confidence stop       | what it verified   |
 | `oracle`      | yes    | -                     | `fixed`, hindsight accounting  | only the accepted  |
 
+`av` decides who drafts, how deep and what is verified from one objective
+(`av_jax.policy`, through `av_jax.decider`). The arms below it are the previous decision
+(a skip-drafting gate, survival stop and pass pricing over the budget planner), kept
+to be measured beside it until they are removed.
+
 Drafting stop (`Arm.stop`, autoregressive drafters only; docs/algorithm.md section 10):
-`av` stops each request's drafting early by *survival stop* (`av_jax.stopping`): a
+`av-gate` stops each request's drafting early by *survival stop* (`av_jax.stopping`): a
 request drafts depth j+1 only while its survival at depth j is at least a threshold
 from earlier steps; the lagged budget is allocated over the drafted positions; and the
 batch drafts no request (but an exploring one) beyond the depth whose passes paid at the
@@ -61,6 +67,8 @@ ARMS: dict[str, Arm] = {
                  policy="fixed"),
     "av": Arm("av", drafts=True, adaptive=True, head=False, hindsight=False, policy=None,
               stop="survival"),
+    "av-gate": Arm("av-gate", drafts=True, adaptive=True, head=False, hindsight=False,
+                   policy=None, stop="survival"),
     "av-no-price": Arm("av-no-price", drafts=True, adaptive=True, head=False,
                        hindsight=False, policy=None, stop="survival", price_passes=False),
     "av-cap": Arm("av-cap", drafts=True, adaptive=True, head=False, hindsight=False,

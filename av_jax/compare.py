@@ -294,7 +294,7 @@ class Runner:
         # without survival stop plans with them: the tables price the hardware (verify
         # buckets, drafter passes per depth), not the policy, so one profile (cached on
         # disk by the AV engine's config) serves the three arms.
-        shared = arm.mode in ("oracle", "av-no-stop", "av-no-price", "av-cap")
+        shared = arm.mode in ("oracle", "av-gate", "av-no-stop", "av-no-price", "av-cap")
         av_engine = engine if not shared else E.make_engine(
             dataclasses.replace(config, mode="av"), pair.cfg, pair.drafter)
         cost, profile = prof.profile_costs(av_engine, params)

@@ -82,7 +82,8 @@ class StepCost(NamedTuple):
     """Drafting cost of `rows_at_depth [..., K]` requests drafting each depth."""
     R_max, K = self.draft_depth_ms.shape[0] - 1, self.draft_depth_ms.shape[1]
     rows = jnp.minimum(rows_at_depth, R_max)
-    return jnp.sum(self.draft_depth_ms[rows, jnp.arange(K)], axis=-1)
+    # A depth no request drafts costs nothing (whatever the table's row 0 holds).
+    return jnp.sum(jnp.where(rows > 0, self.draft_depth_ms[rows, jnp.arange(K)], 0.0), axis=-1)
 
   def verify(self, tokens: jax.Array) -> jax.Array:
     return self.verify_ms[jnp.minimum(tokens, self.verify_ms.shape[0] - 1)]

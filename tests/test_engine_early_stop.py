@@ -42,7 +42,7 @@ AR_KINDS = ("eagle", "draft_lm")
 # ------------------------------------------------------------------ greedy identity
 
 
-@pytest.mark.parametrize("mode", ["av", "confstop:0.5"])
+@pytest.mark.parametrize("mode", ["av", "av-gate", "confstop:0.5"])
 def test_greedy_identity_with_target_only(mode):
   prompts, max_new = [[1, 2, 3], [4], [5, 6, 7, 8, 9]], [9, 11, 7]
   want = [fx.greedy_reference(False, p, n) for p, n in zip(prompts, max_new)]
@@ -52,16 +52,21 @@ def test_greedy_identity_with_target_only(mode):
     engine = E.make_engine(E.EngineConfig(num_slots=3, max_draft=3, max_len=40, mode=mode,
                                           temperature=0.0, num_buckets=1, steps_per_chunk=4,
                                           explore_every=3), cfg, drafter)
-    assert engine.decider.planner.stop == ("survival" if mode == "av" else "confidence")
+    assert engine.decider.planner.stop == {"av": "policy", "av-gate": "survival"}.get(
+        mode, "confidence")
     result = E.generate(engine, params, prompts, max_new_tokens=max_new, key=fx.key(0),
                         keep_infos=True)
     assert [c.tokens for c in result.completions] == want, kind
     p = np.concatenate([np.asarray(i.draft_passes) for i in result.infos])
     d = np.concatenate([np.asarray(i.drafted_depth) for i in result.infos])
     on = np.concatenate([np.asarray(i.slot_active) for i in result.infos])
-    assert ((p >= 1) & (p <= 3))[on.any(axis=1)].all()
-    # Every active slot drafts depth 1; no slot drafts deeper than the passes run.
-    assert (d[on] >= 1).all() and (d <= p[:, None]).all() and (d[~on] == 0).all()
+    if mode == "av":  # the priced plan: any depth 0..K per request, no more than planned
+      assert (p <= 3).all() and (p >= 1).any()
+    else:
+      assert ((p >= 1) & (p <= 3))[on.any(axis=1)].all()
+      assert (d[on] >= 1).all()  # every active slot drafts depth 1
+    # No slot drafts deeper than the passes run; idle slots draft nothing.
+    assert (d <= p[:, None]).all() and (d[~on] == 0).all()
     passes[kind] = p
   # Random tiny drafters are poor: the stop must have ended drafting early somewhere.
   assert all((p < 3).any() for p in passes.values()), passes
@@ -107,7 +112,7 @@ FROZEN = EstimatorConfig(refit_interval=10**9, init_slope=1.5, init_intercept=0.
 
 def _sensitive_engine(kind: str, variant: str) -> E.Engine:
   cfg, drafter, _ = fx.pair(kind)
-  mode = "av-no-stop" if variant == "no_stop" else "av"
+  mode = "av-no-stop" if variant == "no_stop" else "av-gate"
   # min_depth 2: without exploration a budget of 0 sets tau = +inf, and a batch drafting
   # depth 1 only could then never see a budget above 0 again in this regime.
   config = E.EngineConfig(num_slots=1, max_draft=K3, max_len=24, mode=mode, temperature=1.0,
@@ -308,7 +313,7 @@ def test_drafts_carry_the_features_the_stop_computed(kind):
   from av_jax.engine import core
   cfg, drafter, params = fx.pair(kind)
   B, K = 3, 4
-  engine = E.make_engine(E.EngineConfig(num_slots=B, max_draft=K, max_len=40, mode="av",
+  engine = E.make_engine(E.EngineConfig(num_slots=B, max_draft=K, max_len=40, mode="av-gate",
                                         temperature=1.0, num_buckets=1), cfg, drafter)
   # Dear passes and verification: the stop ends drafting early (positions not drafted).
   cost = av_jax.make_cost_model(np.full(B + 1, 5.0), 1.0 + 0.5 * np.arange(B * (K + 1) + 1))
@@ -384,7 +389,7 @@ def test_depth_cap_bounds_the_drafting_loop(draft_ms, want_cap):
   pass on non-exploring steps; with free passes it stays at K."""
   cfg, drafter, params = fx.pair("eagle")
   B, K, every = 3, 4, 4
-  engine = E.make_engine(E.EngineConfig(num_slots=B, max_draft=K, max_len=48, mode="av",
+  engine = E.make_engine(E.EngineConfig(num_slots=B, max_draft=K, max_len=48, mode="av-gate",
                                         temperature=1.0, num_buckets=1, explore_every=every),
                          cfg, drafter)
   cost = av_jax.make_cost_model(np.full(B + 1, draft_ms), 1.0 + 0.01 * np.arange(B * (K + 1) + 1))

@@ -127,3 +127,41 @@ def test_the_lossy_current_budget_is_caught(laws, monkeypatch):
   tokens, budgets = _run(engine, params)
   _budget_splits(budgets)
   assert _conditional_pvalue(tokens, conditional) < 1e-6
+
+
+def _priced_engine(*, current: bool):
+  """The `av` arm (the priced choice) in the same regime; `current`: the negative
+  control, re-choosing after drafting from this step's features (lossy for a sampled
+  autoregressive drafter)."""
+  from av_jax.decider import make_policy_decider
+  cfg, drafter, params = fx.pair("draft_lm")
+  config = E.EngineConfig(num_slots=1, max_draft=2, max_len=8, mode="av", temperature=1.0,
+                          steps_per_chunk=1, buckets=(3,), refit_interval=10**9,
+                          init_slope=SLOPE, init_intercept=INTERCEPT)
+  engine = E.make_engine(config, cfg, drafter)
+  assert engine.decider.planner.policy == "lagged"
+  if current:
+    engine = engine._replace(decider=make_policy_decider(
+        2, drafter_kind="autoregressive", greedy=True, gated=True,
+        estimator=config.estimator))
+  return engine, params
+
+
+def test_the_priced_choice_keeps_the_target_law(laws):
+  """The plan (drafting and the verified positions) is fixed before the draws: exact."""
+  marginal, conditional = laws
+  engine, params = _priced_engine(current=False)
+  tokens, budgets = _run(engine, params)
+  assert np.mean(budgets > 0) > 0.5  # it verifies drafts
+  assert _conditional_pvalue(tokens, conditional) > 1e-4
+  assert _chisquare_pvalue(tokens[:, 1], marginal) > 1e-4
+
+
+def test_the_priced_choice_after_sampled_drafts_is_caught(laws):
+  """Negative control: the same decision re-chosen after sampled autoregressive drafting
+  (the budget reads x1 through S[2]) splits between 0 and 2 and is caught."""
+  _, conditional = laws
+  engine, params = _priced_engine(current=True)
+  tokens, budgets = _run(engine, params)
+  _budget_splits(budgets)
+  assert _conditional_pvalue(tokens, conditional) < 1e-6

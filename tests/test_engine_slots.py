@@ -28,7 +28,8 @@ def _cost(B, K, draft_ms):
 @functools.lru_cache(maxsize=None)
 def _engine(kind, copy_target=False, **overrides):
   cfg, drafter, params = fx.pair(kind, copy_target)
-  settings = dict(num_slots=3, max_draft=4, max_len=64, mode="av", temperature=0.0,
+  # The per-slot skip-drafting gate's mechanics: the `av-gate` arm (the previous decision).
+  settings = dict(num_slots=3, max_draft=4, max_len=64, mode="av-gate", temperature=0.0,
                   steps_per_chunk=4, explore_every=2, draft_recheck_every=4)
   settings.update(overrides)
   return E.make_engine(E.EngineConfig(**settings), cfg, drafter), params

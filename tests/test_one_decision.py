@@ -27,7 +27,7 @@ MAX_NEW = [9, 12, 6, 10]
 
 def _engine(kind, **overrides):
   cfg, drafter, params = fx.pair(kind)
-  settings = dict(num_slots=3, max_draft=3, max_len=40, mode="av", temperature=1.0,
+  settings = dict(num_slots=3, max_draft=3, max_len=40, mode="av-gate", temperature=1.0,
                   steps_per_chunk=4, refit_interval=3, explore_every=2)
   settings.update(overrides)
   return E.make_engine(E.EngineConfig(**settings), cfg, drafter), params

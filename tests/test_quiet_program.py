@@ -33,7 +33,7 @@ def _cost(B, K, draft_ms):
 
 def _engine(kind, quiet_program, **overrides):
   cfg, drafter, _ = fx.pair(kind)
-  settings = dict(num_slots=3, max_draft=4, max_len=64, mode="av", temperature=0.0,
+  settings = dict(num_slots=3, max_draft=4, max_len=64, mode="av-gate", temperature=0.0,
                   steps_per_chunk=4, explore_every=2, draft_recheck_every=4,
                   quiet_program=quiet_program)
   settings.update(overrides)
@@ -52,17 +52,20 @@ def _records(result):
   return jax.tree.map(lambda *x: np.concatenate(x), *result.infos)
 
 
-@pytest.mark.parametrize("kind,temperature,backlog,price", [
-    ("block", 0.0, None, 100.0), ("eagle", 1.0, 6, 100.0), ("draft_lm", 0.0, 6, 100.0),
-    ("block", 1.0, None, 0.5), ("eagle", 0.0, None, 0.5), ("draft_lm", 1.0, None, 0.5)])
+@pytest.mark.parametrize("kind,temperature,backlog,price,mode", [
+    ("block", 0.0, None, 100.0, "av-gate"), ("eagle", 1.0, 6, 100.0, "av-gate"),
+    ("draft_lm", 0.0, 6, 100.0, "av-gate"), ("block", 1.0, None, 0.5, "av-gate"),
+    ("eagle", 0.0, None, 0.5, "av-gate"), ("draft_lm", 1.0, None, 0.5, "av-gate"),
+    ("block", 1.0, None, 2.0, "av"), ("eagle", 0.0, 6, 3.0, "av"),
+    ("draft_lm", 1.0, None, 3.0, "av")])
 def test_a_run_split_into_quiet_and_drafting_programs_is_the_one_program_run(
-    kind, temperature, backlog, price):
+    kind, temperature, backlog, price, mode):
   """Tokens, every step record, the estimator, the planner and the running totals are
   bit-identical with and without the quiet program. Price 100: drafting never pays and
   only re-checks draft (both kinds of step occur; with a backlog of 6 (K + 2) an
   autoregressive drafter's full backlogs are absorbed on quiet steps); 0.5: drafting
   pays and most steps draft (the drain's steps are quiet)."""
-  overrides = dict(temperature=temperature, drafter_backlog=backlog)
+  overrides = dict(temperature=temperature, drafter_backlog=backlog, mode=mode)
   one, split = (_run(kind, q, price, **overrides) for q in (False, True))
   assert [c.tokens for c in split.completions] == [c.tokens for c in one.completions]
   a, b = _records(one), _records(split)
@@ -70,6 +73,8 @@ def test_a_run_split_into_quiet_and_drafting_programs_is_the_one_program_run(
     np.testing.assert_array_equal(y, x, err_msg=name)
   drafting = a.drafting[a.active > 0]
   assert drafting.any() and not drafting.all() if price > 1 else drafting.mean() > 0.5
+  if mode == "av":  # the priced choice: drafting where its plan pays, quiet elsewhere
+    assert 0 < a.num_verified.sum()
   for x, y in zip(jax.tree.leaves((one.state.estimator, one.state.planner)),
                   jax.tree.leaves((split.state.estimator, split.state.planner))):
     np.testing.assert_array_equal(np.asarray(y), np.asarray(x))

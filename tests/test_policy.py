@@ -1,0 +1,228 @@
+"""av_jax.policy: the one priced choice, its parts and their compositions."""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from av_jax import policy as P
+
+
+def _cost(B, K, *, verify_fixed=1.0, per_token=0.05, pass_ms=0.2, parallel=False):
+  depth = np.zeros((B + 1, K), np.float32)
+  if parallel:
+    depth[1:, 0] = pass_ms * 3 + 0.01 * np.arange(1, B + 1)
+  else:
+    depth[1:, :] = pass_ms + 0.01 * np.arange(1, B + 1)[:, None]
+  verify = verify_fixed + per_token * np.arange(B * (K + 1) + 1)
+  return P.StepCost(jnp.asarray(depth), jnp.asarray(verify, jnp.float32))
+
+
+def _rate(num, survival, active, cost, *, sunk=0.0, price=True, parallel=False):
+  """NumPy: expected tokens per ms of verifying `num [B]` (a prefix of each row)."""
+  B, K = survival.shape
+  num = np.where(active, num, 0)
+  R = int(active.sum())
+  gain = sum(survival[b, :num[b]].sum() for b in range(B))
+  total = sunk + float(cost.verify_ms[R + num.sum()])
+  if price:
+    rows = np.asarray([(num > k).sum() for k in range(K)])
+    if parallel:
+      rows = np.where(np.arange(K) < num.max(), (num > 0).sum(), 0)
+    total += sum(float(cost.draft_depth_ms[rows[k], k]) for k in range(K))
+  return (R + gain) / total
+
+
+def _survival(rng, B, K):
+  return np.cumprod(rng.uniform(0.05, 1.0, (B, K)), axis=1).astype(np.float32)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_verify_choice_is_the_best_prefix_vector(seed):
+  # After drafting (one cap, drafting sunk) the optimum over every per-row prefix vector
+  # is a top-n of the survivals: `choose` must find it (exhaustive over (K+1)^B vectors).
+  rng = np.random.default_rng(seed)
+  B, K = 3, 3
+  survival = _survival(rng, B, K)
+  active = np.asarray([True, True, seed % 2 == 0])
+  cost = _cost(B, K, per_token=rng.uniform(0.01, 0.6))
+  eligible = np.ones((B, K), bool)
+  got = P.choose(jnp.asarray(survival), eligible=jnp.asarray(eligible),
+                 forced=jnp.zeros((B, K), bool), active=jnp.asarray(active), cost=cost,
+                 sunk_ms=0.3, price_drafting=False)
+  best = max(_rate(np.asarray(v), survival, active, cost, sunk=0.3, price=False)
+             for v in itertools.product(range(K + 1), repeat=B))
+  np.testing.assert_allclose(_rate(np.asarray(got.num), survival, active, cost, sunk=0.3,
+                                   price=False), best, rtol=1e-5)
+  assert np.all(np.asarray(got.num)[~active] == 0)
+
+
+def _family_best(survival, active, cost, *, parallel):
+  """NumPy reference of `choose`'s candidates: for each depth cap d, the top n of the
+  positions at depths < d by survival (ties: lower position, then lower slot)."""
+  B, K = survival.shape
+  entries = sorted(((-survival[b, k], k, b) for b in range(B) for k in range(K) if active[b]))
+  best, best_num = -1.0, None
+  for d in range(1, K + 1):
+    kept = [(k, b) for _, k, b in entries if k < d]
+    for n in range(len(kept) + 1):
+      num = np.zeros(B, int)
+      for k, b in kept[:n]:
+        num[b] = max(num[b], k + 1)
+      r = _rate(num, survival, active, cost, parallel=parallel)
+      if r > best + 1e-9:
+        best, best_num = r, num
+  return best, best_num
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+@pytest.mark.parametrize("seed", range(5))
+def test_plan_choice_matches_its_reference(seed, parallel):
+  rng = np.random.default_rng(100 + seed)
+  B, K = 4, 3
+  survival = _survival(rng, B, K)
+  active = np.asarray([True, True, True, seed != 0])
+  cost = _cost(B, K, per_token=rng.uniform(0.01, 0.3), pass_ms=rng.uniform(0.05, 0.8),
+               parallel=parallel)
+  got = jax.jit(lambda s, a: P.choose(s, eligible=jnp.ones((B, K), bool),
+                                      forced=jnp.zeros((B, K), bool), active=a, cost=cost,
+                                      parallel=parallel))(jnp.asarray(survival), jnp.asarray(active))
+  best, _ = _family_best(survival, active, cost, parallel=parallel)
+  np.testing.assert_allclose(_rate(np.asarray(got.num), survival, active, cost,
+                                   parallel=parallel), best, rtol=1e-5)
+  np.testing.assert_allclose(float(got.expected) / float(got.cost_ms), best, rtol=1e-5)
+
+
+def test_the_module_docstrings_worked_example():
+  # One request, K = 2; verify 0.9 + 0.1 ms a token (1.0 ms for the base token alone),
+  # 0.2 ms a drafter pass. Survivals [0.9, 0.5]: rates 1.0, 1.9/1.3, 2.4/1.6 -> both.
+  # Survivals [0.3, 0.1]: 1.0, 1.3/1.3, 1.4/1.6 -> nothing (the smaller n on a tie).
+  cost = P.StepCost(jnp.asarray([[0.0, 0.0], [0.2, 0.2]]), 0.9 + 0.1 * jnp.arange(4.0))
+  pick = lambda s: P.choose(jnp.asarray([s]), eligible=jnp.ones((1, 2), bool),
+                            forced=jnp.zeros((1, 2), bool), active=jnp.ones((1,), bool),
+                            cost=cost)
+  good = pick([0.9, 0.45])
+  assert int(good.num[0]) == 2
+  np.testing.assert_allclose(float(good.expected) / float(good.cost_ms), 2.35 / 1.6, rtol=1e-6)
+  assert int(pick([0.3, 0.03]).num[0]) == 0
+
+
+def test_depth_caps_keep_one_deep_request_from_buying_passes():
+  # One confident request (survival 0.95 ... 0.8) and three doubtful ones (0.5, 0.25,
+  # ...); passes cost 1.0 ms whatever the rows, verification 4.0 ms flat. Everyone to
+  # depth 2 (8.1 tokens in 6 ms) beats depth 1 (6.45 / 5), depth 3 (9.33 / 7) and the
+  # confident request alone to depth 4 (7.5 / 8).
+  B, K = 4, 4
+  cost = P.StepCost(jnp.full((B + 1, K), 1.0).at[0].set(0.0), jnp.full((B * (K + 1) + 1,), 4.0))
+  survival = jnp.asarray([[0.95, 0.9, 0.85, 0.8]] + [[0.5, 0.25, 0.125, 0.0625]] * 3)
+  got = P.choose(survival, eligible=jnp.ones((B, K), bool), forced=jnp.zeros((B, K), bool),
+                 active=jnp.ones((B,), bool), cost=cost)
+  np.testing.assert_array_equal(got.num, [2, 2, 2, 2])
+  best, _ = _family_best(np.asarray(survival), np.ones(B, bool), cost, parallel=False)
+  np.testing.assert_allclose(float(got.expected) / float(got.cost_ms), best, rtol=1e-6)
+
+
+def test_nothing_pays_drafts_nothing_and_forced_positions_are_kept():
+  B, K = 3, 4
+  cost = _cost(B, K, pass_ms=1.0)
+  survival = jnp.full((B, K), 1e-3)
+  none = jnp.zeros((B, K), bool)
+  got = P.choose(survival, eligible=jnp.ones((B, K), bool), forced=none,
+                 active=jnp.ones((B,), bool), cost=cost)
+  assert int(got.budget) == 0 and not np.any(got.num)
+  forced = none.at[1].set(True)
+  got = P.choose(survival, eligible=jnp.ones((B, K), bool), forced=forced,
+                 active=jnp.ones((B,), bool), cost=cost)
+  np.testing.assert_array_equal(got.num, [0, K, 0])
+
+
+def _outcome(B, K, *, features=None, drafted=None, step_ms=1.0, explore_ms=0.0):
+  z = jnp.zeros((B, K), bool)
+  return P.StepOutcome(
+      features=jnp.zeros((B, K)) if features is None else features,
+      drafted=z if drafted is None else drafted, accepted=z, labeled=z,
+      step_ms=jnp.float32(step_ms), explore_ms=jnp.float32(explore_ms),
+      emitted=jnp.float32(B))
+
+
+def test_memory_decays_toward_the_depth_mean_and_admission_forgets():
+  B, K = 2, 2
+  part = P.latest_features(decay=0.5, horizon=4.0)
+  state = part.init(B, K)
+  feats = jnp.asarray([[2.0, 4.0], [0.0, 0.0]])
+  state = part.update(state, _outcome(B, K, features=feats, drafted=jnp.ones((B, K), bool)))
+  np.testing.assert_allclose(state.mean, [1.0, 2.0])
+  np.testing.assert_allclose(part.read(state), feats)       # age 0: the features
+  state = part.update(state, _outcome(B, K))                 # a step that drafted nothing
+  state = part.update(state, _outcome(B, K))
+  # Two steps old: mean + 0.5**2 (latest - mean).
+  np.testing.assert_allclose(part.read(state)[0], [1.0 + 0.25 * 1.0, 2.0 + 0.25 * 2.0])
+  policy = P.make_policy(K, drafter_kind="autoregressive", memory=part)
+  full = policy.init(B)._replace(memory=state)
+  fresh = policy.admit(full, jnp.asarray([True, False]))
+  np.testing.assert_allclose(policy.parts[1].read(fresh.memory)[0], fresh.memory.mean)
+
+
+def test_exploration_spends_at_most_its_share_where_nothing_pays():
+  B, K, share = 4, 4, 0.02
+  cost = _cost(B, K, pass_ms=0.5)
+  # Acceptance probabilities read as given (all 0 in memory): drafting never pays.
+  policy = P.make_policy(K, drafter_kind="autoregressive",
+                         estimator=P.identity_estimator(K), explorer=P.explore_credit(share))
+  state = policy.init(B)
+  plan_fn, learn_fn = jax.jit(policy.plan), jax.jit(policy.learn)
+  active = jnp.ones((B,), bool)
+  total = spent = 0.0
+  explored_slots = []
+  for _ in range(1200):
+    plan = plan_fn(state, active, cost)
+    drafted = jnp.arange(K)[None, :] < plan.depth[:, None]
+    rows = jnp.sum(drafted, axis=0, dtype=jnp.int32)
+    step_ms = float(cost.draft(rows) + cost.verify(B + jnp.sum(plan.num)))
+    total += step_ms
+    spent += float(plan.explore_ms)
+    if bool(jnp.any(plan.explore)):
+      explored_slots.append(int(jnp.argmax(plan.explore)))
+      assert int(plan.num[explored_slots[-1]]) == K  # the explorer drafts all K
+    state = learn_fn(state, _outcome(B, K, drafted=drafted, step_ms=step_ms,
+                                     explore_ms=float(plan.explore_ms)))
+  explore_cost = float(policy._explore_ms(active, cost))
+  assert len(explored_slots) >= 3
+  assert spent <= share * total + explore_cost
+  assert spent >= share * total - 2 * explore_cost       # and it does explore
+  assert explored_slots[:4] == [0, 1, 2, 3]              # round robin
+  # The ablation composition never explores.
+  silent = P.make_policy(K, drafter_kind="autoregressive", estimator=P.identity_estimator(K),
+                         explorer=P.no_exploration())
+  s = silent.init(B)
+  for _ in range(50):
+    plan = silent.plan(s, active, cost)
+    assert not bool(jnp.any(plan.explore))
+    s = silent.learn(s, _outcome(B, K, step_ms=1.0))
+
+
+def test_plan_reads_only_the_state():
+  # Rule 2: what drafts and how deep is a function of earlier steps (the state) alone:
+  # two states equal but for a field no plan reads give the same plan, and the plan of
+  # a parallel drafter drafts rows to one block depth.
+  B, K = 4, 3
+  cost = _cost(B, K, pass_ms=0.05, parallel=True)
+  policy = P.make_policy(K, drafter_kind="parallel")
+  state = policy.init(B)
+  feats = jnp.asarray([[5.0, 5.0, 5.0], [-5.0] * 3, [5.0, 2.0, -3.0], [0.0] * 3])
+  state = policy.learn(state, _outcome(B, K, features=feats, drafted=jnp.ones((B, K), bool)))
+  plan = jax.jit(policy.plan)(state, jnp.ones((B,), bool), cost)
+  depth = np.asarray(plan.depth)
+  assert len(set(depth[depth > 0])) == 1
+  assert bool(plan.draft[0]) and not bool(plan.draft[1])
+
+
+def test_bad_settings_are_refused():
+  with pytest.raises(ValueError, match="drafter_kind"):
+    P.make_policy(4, drafter_kind="tree")
+  with pytest.raises(ValueError, match="share"):
+    P.explore_credit(1.5)
+  with pytest.raises(ValueError, match="num_positions"):
+    P.make_policy(0, drafter_kind="parallel")

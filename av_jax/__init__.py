@@ -25,6 +25,8 @@ from av_jax.features import get_feature
 from av_jax.features import logit_qmax
 from av_jax.features import neg_entropy
 from av_jax.features import top2_margin
+from av_jax.decider import PolicyDecider
+from av_jax.decider import make_policy_decider
 from av_jax.planner import POLICIES
 from av_jax.planner import Plan
 from av_jax.planner import Planner
@@ -33,6 +35,12 @@ from av_jax.planner import PlannerState
 from av_jax.planner import exact_policy
 from av_jax.planner import is_exact
 from av_jax.planner import make_planner
+from av_jax.policy import Policy
+from av_jax.policy import PolicyState
+from av_jax.policy import StepCost
+from av_jax.policy import StepOutcome
+from av_jax.policy import choose
+from av_jax.policy import make_policy
 from av_jax.profiling import profile_costs
 from av_jax.sampling import Sampling
 from av_jax.sampling import sampling_log_probs
@@ -91,4 +99,12 @@ __all__ = (
     "sampling_log_probs",
     "survival",
     "top2_margin",
+    "PolicyDecider",
+    "make_policy_decider",
+    "Policy",
+    "PolicyState",
+    "StepCost",
+    "StepOutcome",
+    "choose",
+    "make_policy",
 )

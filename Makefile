@@ -17,6 +17,7 @@ STAMP_NEXT := $(VENV_NEXT)/.installed
 # primary generation only, to keep CI under 25 minutes on 2 cores).
 NEXT_TESTS := $(wildcard tests/test_core_*.py) tests/test_decision.py tests/test_rejection.py \
   tests/test_lossless.py tests/test_verify_groups.py $(wildcard tests/test_engine*.py) \
+  tests/test_policy.py \
   tests/test_faults.py tests/test_sharding.py tests/test_profiling.py tests/test_examples.py
 
 .PHONY: demo test test-slow test-all test-next bench-overhead clean

@@ -216,6 +216,11 @@ def _policy(arm: str, K: int, kind: str, refit_interval: int) -> P.Policy:
   est = P.online_estimator(K, refit_interval=refit_interval)
   if arm == "av-true":
     return P.make_policy(K, drafter_kind=kind, estimator=P.identity_estimator(K))
+  if arm.startswith("av-est:"):  # estimator settings, e.g. av-est:damping=10;l2=0.01
+    settings = dict(kv.split("=") for kv in arm.split(":", 1)[1].split(";"))
+    est = P.online_estimator(K, refit_interval=refit_interval,
+                             **{k: float(v) for k, v in settings.items()})
+    return P.make_policy(K, drafter_kind=kind, estimator=est)
   if arm.startswith("av-explore:"):
     return P.make_policy(K, drafter_kind=kind, estimator=est,
                          explorer=P.explore_credit(float(arm.split(":")[1])))
@@ -284,7 +289,7 @@ def replay_point(point: Point, *, arms: Sequence[str], pool: Pool, num_requests:
   requests = make_requests(pool, num=num_requests, length=length, seed=seed)
   out = {}
   for arm in arms:
-    if arm in ADAPTIVE or arm.startswith("av-explore:"):
+    if arm in ADAPTIVE or arm.startswith(("av-explore:", "av-est:")):
       policy = _policy(arm, K, kind, refit_interval)
       state = policy.init(B)
       cost, k = cost_fn(K), 0
@@ -356,6 +361,31 @@ def ablation_table(rows: Sequence[dict], arms: Sequence[str]) -> str:
   return "\n".join(lines)
 
 
+def grid_markdown(rows: Sequence[dict]) -> str:
+  """Markdown: one table per drafter, a row per (workload, B), AV / the best static arm
+  on every device, and on the first device the best static arm, `av-true` and the oracle."""
+  out = []
+  devices = list(dict.fromkeys(r["device"] for r in rows))
+  for drafter in dict.fromkeys(r["drafter"] for r in rows):
+    first = devices[0]
+    out += [f"**{drafter}** (AV / best static arm, modelled llama3-8b)", "",
+            "| workload | B | " + " | ".join(devices) + f" | best static ({first}) | "
+            f"av-true ({first}) | oracle ({first}) |",
+            "|---|---:|" + "---:|" * (len(devices) + 3)]
+    mine = [r for r in rows if r["drafter"] == drafter]
+    for workload in dict.fromkeys(r["workload"] for r in mine):
+      for B in sorted({r["concurrency"] for r in mine if r["workload"] == workload}):
+        at = {r["device"]: r for r in mine if r["workload"] == workload
+              and r["concurrency"] == B}
+        cell = lambda v: f"**{v:.3f}**" if v < 0.98 else f"{v:.3f}"
+        f = at[first]
+        out.append(f"| {workload} | {B} | " + " | ".join(cell(at[d]["av/best"]) for d in devices)
+                   + f" | {f['best_static']} | {f.get('av-true/best', float('nan')):.3f} | "
+                   f"{f.get('oracle/best', float('nan')):.3f} |")
+    out.append("")
+  return "\n".join(out)
+
+
 def format_row(row: dict) -> str:
   ratios = " ".join(f"{k[:-5]}={v:.3f}" for k, v in row.items()
                     if k.endswith("/best") and not k.startswith(("fixed", "target")))
@@ -380,6 +410,7 @@ def main(argv=None) -> None:
   parser.add_argument("--block-choice", action="store_true",
                       help="a parallel drafter may run a smaller block on a step")
   parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--markdown", default=None, help="write the grid's tables here")
   args = parser.parse_args(argv)
   arms = (args.arms.split(",") if args.arms else
           list(static_arms(8)) + ["av", "av-true", "oracle"])
@@ -394,6 +425,10 @@ def main(argv=None) -> None:
   if args.json:
     with open(args.json, "w") as f:
       json.dump(rows, f, indent=1)
+  if args.markdown:
+    with open(args.markdown, "w") as f:
+      f.write(grid_markdown(rows) + "\n" + ablation_table(rows, [
+          a for a in arms if a not in static_arms(8)]) + "\n")
 
 
 if __name__ == "__main__":

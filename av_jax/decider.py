@@ -180,15 +180,11 @@ class PolicyDecider:
 
   def learn(self, decision: DecisionState, features, accepted, labeled, *,
             axis_name: str | None = None) -> DecisionState:
-    del axis_name
     p = decision.planner.pending
-    accepted = jnp.asarray(accepted, bool)
-    labeled = jnp.asarray(labeled, bool)
-    emitted = (jnp.sum(p.active) + jnp.sum(accepted & labeled)).astype(jnp.float32)
     state = self.policy.learn(self._state(decision), P.StepOutcome(
         features=jnp.asarray(features, jnp.float32), drafted=p.drafted,
-        accepted=accepted, labeled=labeled, step_ms=p.step_ms, explore_ms=p.explore_ms,
-        emitted=emitted))
+        accepted=jnp.asarray(accepted, bool), labeled=jnp.asarray(labeled, bool),
+        step_ms=p.step_ms, explore_ms=p.explore_ms), axis_name=axis_name)
     carry = decision.planner._replace(memory=state.memory, explore=state.explore)
     return DecisionState(estimator=state.estimator, planner=carry)
 

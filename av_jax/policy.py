@@ -185,7 +185,6 @@ class StepOutcome(NamedTuple):
   labeled: jax.Array   # [B, K] bool, positions with a label
   step_ms: jax.Array   # [] float32, priced time of the step
   explore_ms: jax.Array  # [] float32, priced time of this step's exploration (0: none)
-  emitted: jax.Array     # [] float32, tokens the step emitted
 
 
 class MemoryState(NamedTuple):
@@ -239,10 +238,16 @@ class ExploreState(NamedTuple):
   next_slot: jax.Array  # [] int32, round-robin pointer
 
 
+# The exploration credit banks at most this many steps' time: a long stretch in which
+# exploring cost more than the credit earned does not buy a burst of explorations later.
+_MAX_BANKED_STEPS = 64.0
+
+
 def explore_credit(share: float = 0.01) -> Part:
   """Exploration bounded to `share` of step time: each step earns `share` of its
   priced time; a step explores (one request drafts and verifies all K, round robin)
-  when the credit covers the priced cost of doing so, which is then spent."""
+  when the credit covers the priced cost of doing so, which is then spent. Example: at
+  share 0.01, 10 ms steps and an exploration priced 5 ms, one step in 50 explores."""
   if not 0.0 <= share < 1.0:
     raise ValueError(f"share: expected a number in [0, 1), got {share!r}")
 
@@ -254,7 +259,7 @@ def explore_credit(share: float = 0.01) -> Part:
   def update(state: ExploreState, step: StepOutcome) -> ExploreState:
     credit = state.credit_ms + share * step.step_ms - step.explore_ms
     B = step.drafted.shape[0]
-    return ExploreState(credit_ms=jnp.minimum(credit, 64.0 * step.step_ms),
+    return ExploreState(credit_ms=jnp.minimum(credit, _MAX_BANKED_STEPS * step.step_ms),
                         next_slot=jnp.where(step.explore_ms > 0, (state.next_slot + 1) % B,
                                             state.next_slot))
 
@@ -347,9 +352,16 @@ class Policy:
                     active=active, cost=cost, sunk_ms=draft_ms, price_drafting=False)
     return choice.num
 
-  def learn(self, state: PolicyState, step: StepOutcome) -> PolicyState:
-    """Every part's update with what the step did."""
-    return PolicyState(*(p.update(s, step) for p, s in zip(self.parts, state)))
+  def learn(self, state: PolicyState, step: StepOutcome, *,
+            axis_name: str | None = None) -> PolicyState:
+    """Every part's update with what the step did; `axis_name`: the mesh axis over which
+    data-parallel replicas sum the estimator's round statistics (so their coefficients
+    agree)."""
+    parts = list(self.parts)
+    if axis_name is not None:
+      parts[0] = parts[0]._replace(update=lambda s, o: self.estimator.update(
+          s, o.features, o.accepted, o.labeled, axis_name=axis_name))
+    return PolicyState(*(p.update(s, step) for p, s in zip(parts, state)))
 
   def _explore_ms(self, active, cost: StepCost) -> jax.Array:
     K = self.num_positions

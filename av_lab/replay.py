@@ -196,7 +196,7 @@ def _run(pool_f, pool_a, pool_p, requests: Requests, cost: P.StepCost, k_static,
       labeled = acc | ((j == got[:, None]) & (j < m[:, None]) & active[:, None])
       state = policy.learn(state, P.StepOutcome(
           features=x, drafted=drafted, accepted=acc, labeled=labeled, step_ms=step_ms,
-          explore_ms=explore_ms, emitted=jnp.sum(emitted).astype(jnp.float32)))
+          explore_ms=explore_ms))
     tot = Totals(tokens=tot.tokens + jnp.sum(emitted), ms=tot.ms + step_ms,
                  draft_ms=tot.draft_ms + draft_ms, explore_ms=tot.explore_ms + explore_ms,
                  steps=tot.steps + 1, drafting=tot.drafting + jnp.any(drafted),

@@ -143,8 +143,7 @@ def _outcome(B, K, *, features=None, drafted=None, step_ms=1.0, explore_ms=0.0):
   return P.StepOutcome(
       features=jnp.zeros((B, K)) if features is None else features,
       drafted=z if drafted is None else drafted, accepted=z, labeled=z,
-      step_ms=jnp.float32(step_ms), explore_ms=jnp.float32(explore_ms),
-      emitted=jnp.float32(B))
+      step_ms=jnp.float32(step_ms), explore_ms=jnp.float32(explore_ms))
 
 
 def test_memory_decays_toward_the_depth_mean_and_admission_forgets():

@@ -206,7 +206,8 @@ def make_policy_decider(num_positions: int, *, drafter_kind: str, greedy: bool, 
   """The `av` arm's decider for a drafter (`drafter_kind` "parallel" or
   "autoregressive"; `gated`: the engine can leave rows out of drafting)."""
   est = online_estimator(num_positions, estimator)
+  # The engine's drafting passes run every drafting row of the step (static shapes).
   policy = P.make_policy(num_positions, drafter_kind=drafter_kind, greedy=greedy,
-                         estimator=est)
+                         estimator=est, shared_passes=True)
   return PolicyDecider(policy=policy, planner=PolicyPlanner(
       gated=gated, policy="current" if policy.current else "lagged"))

@@ -105,7 +105,7 @@ class Choice(NamedTuple):
 
 def choose(survival: jax.Array, *, eligible: jax.Array, forced: jax.Array,
            active: jax.Array, cost: StepCost, sunk_ms: jax.typing.ArrayLike = 0.0,
-           price_drafting: bool = True, parallel: bool = False) -> Choice:
+           price_drafting: bool = True, shared_passes: bool = False) -> Choice:
   """The candidate set of draft positions with the highest expected tokens per ms.
 
   Candidates: for each depth cap d = 1..K (drafting passes or block size), the top n of
@@ -123,8 +123,9 @@ def choose(survival: jax.Array, *, eligible: jax.Array, forced: jax.Array,
     sunk_ms: time already spent this step (drafting done), added to every candidate.
     price_drafting: charge the drafting of the chosen rows and depths and try every
       depth cap (before drafting); False after drafting (one cap, K).
-    parallel: a parallel drafter's one pass runs every drafting request to the deepest
-      chosen depth (its block), priced as such; else each request drafts its own depth.
+    shared_passes: every drafting request pays every pass up to the deepest chosen depth
+      (a parallel drafter's block; a static-shape batch of an autoregressive drafter,
+      whose passes run every drafting row); else each request pays its own depths.
 
   Returns:
     The `Choice`; n = 0 (nothing drafted or verified) when nothing pays.
@@ -149,7 +150,7 @@ def choose(survival: jax.Array, *, eligible: jax.Array, forced: jax.Array,
   total = jnp.asarray(sunk_ms, jnp.float32) + cost.verify(num_active + n)
   if price_drafting:
     rows = prefix(jax.nn.one_hot(ranked_k, K, dtype=jnp.int32)[None] * in_cap[..., None])
-    if parallel:  # one pass runs every drafting request to the deepest chosen depth
+    if shared_passes:  # every drafting request pays each pass up to the deepest depth
       depth = jnp.sum(rows > 0, axis=-1, keepdims=True)
       rows = jnp.where(jnp.arange(K) < depth, rows[..., :1], 0)
     total = total + cost.draft(rows)
@@ -306,6 +307,7 @@ class Policy:
   current: bool  # re-choose after drafting (parallel drafter, or greedy drafting)
   estimator: Any  # OnlineEstimator-like: init(), predict(state, x), update(...)
   parts: tuple[Part, ...]  # estimator, memory, explorer
+  shared_passes: bool = False  # a drafter pass costs every drafting row (static shapes)
 
   def init(self, num_slots: int) -> PolicyState:
     K = self.num_positions
@@ -333,7 +335,7 @@ class Policy:
     all_k = jnp.ones((B, K), bool)
     parallel = self.drafter_kind == "parallel"
     choice = choose(survival, eligible=all_k, forced=explore[:, None] & all_k,
-                    active=active, cost=cost, parallel=parallel)
+                    active=active, cost=cost, shared_passes=parallel or self.shared_passes)
     draft = choice.num > 0
     depth = jnp.where(draft, jnp.max(choice.num) if parallel else choice.num, 0)
     return Plan(draft=draft, depth=depth.astype(jnp.int32), num=choice.num, explore=explore,
@@ -392,7 +394,7 @@ def identity_estimator(K: int):
 
 def make_policy(num_positions: int, *, drafter_kind: str, greedy: bool = False,
                 estimator: Any = None, memory: Part | None = None,
-                explorer: Part | None = None,
+                explorer: Part | None = None, shared_passes: bool = False,
                 estimator_config: EstimatorConfig | None = None) -> Policy:
   """Builds the policy for a drafter.
 
@@ -403,6 +405,9 @@ def make_policy(num_positions: int, *, drafter_kind: str, greedy: bool = False,
     estimator: an `OnlineEstimator`-like object (default: `online_estimator(K)`).
     memory: the memory part (default `latest_features()`).
     explorer: the exploration part (default `explore_credit(0.01)`).
+    shared_passes: an autoregressive drafter's passes run every drafting row until the
+      deepest stops (an engine of static shapes, like av_jax's); False: each row pays its
+      own depths (ragged kernels).
     estimator_config: settings of the default estimator.
 
   Returns:
@@ -425,4 +430,4 @@ def make_policy(num_positions: int, *, drafter_kind: str, greedy: bool = False,
            explorer or explore_credit())
   return Policy(num_positions=K, drafter_kind=drafter_kind,
                 current=(drafter_kind == "parallel" or greedy), estimator=estimator,
-                parts=parts)
+                parts=parts, shared_passes=shared_passes)

@@ -136,10 +136,10 @@ def _oracle(accepted, active, cost: P.StepCost, K: int) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnames=("arm", "num_slots", "kind", "policy",
-                                             "block_choice"))
+                                             "block_choice", "shared_passes"))
 def _run(pool_f, pool_a, pool_p, requests: Requests, cost: P.StepCost, k_static, state0, *,
          arm: str, num_slots: int, kind: str, policy: P.Policy | None,
-         block_choice: bool = False):
+         block_choice: bool = False, shared_passes: bool = False):
   B, K = num_slots, pool_f.shape[1]
   N = requests.start.shape[0]
   j = jnp.arange(K)[None, :]
@@ -182,7 +182,10 @@ def _run(pool_f, pool_a, pool_p, requests: Requests, cost: P.StepCost, k_static,
         plan = plan._replace(depth=jnp.where(plan.draft, K, 0))
       depth, explore_ms = plan.depth, plan.explore_ms
     drafted = (j < depth[:, None]) & active[:, None]
-    draft_ms = cost.draft(jnp.sum(drafted, axis=0, dtype=jnp.int32))
+    rows = jnp.sum(drafted, axis=0, dtype=jnp.int32)
+    if shared_passes:  # every drafting row runs every pass up to the deepest (the engine)
+      rows = jnp.where(rows > 0, rows[0], 0)
+    draft_ms = cost.draft(rows)
     predicted = jnp.zeros((), jnp.float32)
     if arm not in ("static", "oracle"):
       m = policy.verify(state, plan, x, active, cost, draft_ms)
@@ -212,8 +215,12 @@ def _run(pool_f, pool_a, pool_p, requests: Requests, cost: P.StepCost, k_static,
 
 
 @functools.lru_cache(maxsize=None)  # one object per arm: a compiled replay is reused
-def _policy(arm: str, K: int, kind: str, refit_interval: int) -> P.Policy:
+def _policy(arm: str, K: int, kind: str, refit_interval: int,
+            shared_passes: bool = False) -> P.Policy:
   est = P.online_estimator(K, refit_interval=refit_interval)
+  if shared_passes:
+    return P.make_policy(K, drafter_kind=kind, estimator=(
+        P.identity_estimator(K) if arm == "av-true" else est), shared_passes=True)
   if arm == "av-true":
     return P.make_policy(K, drafter_kind=kind, estimator=P.identity_estimator(K))
   if arm.startswith("av-est:"):  # estimator settings, e.g. av-est:damping=10;l2=0.01
@@ -279,9 +286,12 @@ def static_arms(K: int) -> tuple[str, ...]:
 
 def replay_point(point: Point, *, arms: Sequence[str], pool: Pool, num_requests: int,
                  length: int, seed: int = 0, refit_interval: int = 16,
-                 warm: bool = True, cost_fn=None, block_choice: bool = False
-                 ) -> dict[str, dict]:
-  """Every arm at one point; `{arm: {"tokens_per_s", ...}}` (modelled seconds)."""
+                 warm: bool = True, cost_fn=None, block_choice: bool = False,
+                 shared_passes: bool = False) -> dict[str, dict]:
+  """Every arm at one point; `{arm: {"tokens_per_s", ...}}` (modelled seconds).
+  `shared_passes`: an autoregressive drafter's passes are charged for every drafting
+  request up to the deepest (an engine of static shapes, like av_jax's), and AV plans so;
+  else each request pays its own depths (ragged kernels)."""
   K = int(pool.features.shape[1])
   B, kind = point.concurrency, KIND[point.drafter]
   cost_fn = cost_fn or (lambda k: deployment_cost(point.device, point.drafter, B, k, K,
@@ -290,14 +300,14 @@ def replay_point(point: Point, *, arms: Sequence[str], pool: Pool, num_requests:
   out = {}
   for arm in arms:
     if arm in ADAPTIVE or arm.startswith(("av-explore:", "av-est:")):
-      policy = _policy(arm, K, kind, refit_interval)
+      policy = _policy(arm, K, kind, refit_interval, shared_passes)
       state = policy.init(B)
       cost, k = cost_fn(K), 0
       if warm:  # a server that has been running: the estimator starts fitted
         warmup = make_requests(pool, num=max(B, 32), length=length, seed=seed + 7919)
         _, state = _run(pool.features, pool.accepted, pool.accept_probs, warmup, cost, 0,
                         state, arm=arm, num_slots=B, kind=kind, policy=policy,
-                        block_choice=block_choice)
+                        block_choice=block_choice, shared_passes=shared_passes)
         state = policy.init(B)._replace(estimator=state.estimator)
       mode = arm
     elif arm == "oracle":
@@ -306,7 +316,8 @@ def replay_point(point: Point, *, arms: Sequence[str], pool: Pool, num_requests:
       k = 0 if arm == "target_only" else int(arm.split(":")[1])
       policy, state, cost, mode = None, jnp.zeros(()), cost_fn(k), "static"
     tot, _ = _run(pool.features, pool.accepted, pool.accept_probs, requests, cost, k, state,
-                  arm=mode, num_slots=B, kind=kind, policy=policy, block_choice=block_choice)
+                  arm=mode, num_slots=B, kind=kind, policy=policy, block_choice=block_choice,
+                  shared_passes=shared_passes)
     tot = jax.tree.map(float, jax.device_get(tot))
     out[arm] = dict(tokens_per_s=1e3 * tot.tokens / tot.ms, tokens=tot.tokens, ms=tot.ms,
                     steps=tot.steps, drafting_share=tot.drafting / tot.steps,

@@ -149,7 +149,7 @@ def test_an_autoregressive_profile_times_depth_one_and_the_shallow_regime():
   parallel drafter (block) times neither."""
   cfg, drafter, params = fx.pair("eagle")
   B, K = 2, 3
-  engine = E.make_engine(E.EngineConfig(num_slots=B, max_draft=K, max_len=48, mode="av",
+  engine = E.make_engine(E.EngineConfig(num_slots=B, max_draft=K, max_len=48, mode="av-gate",
                                         steps_per_chunk=4), cfg, drafter)
   assert prof.shallow_regime(engine)
   profile = prof.measure(engine, params, repeats=1)

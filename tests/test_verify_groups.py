@@ -94,7 +94,7 @@ def test_sampling_with_two_groups_draws_the_same_tokens():
 
 def test_profile_times_the_grouped_program():
   cfg, drafter, params = fx.pair("block")
-  engine = E.make_engine(E.EngineConfig(num_slots=4, max_draft=2, max_len=16, mode="av",
+  engine = E.make_engine(E.EngineConfig(num_slots=4, max_draft=2, max_len=16, mode="av-gate",
                                         num_buckets=2, verify_groups=2), cfg, drafter)
   profile = prof.measure(engine, params, repeats=1)
   # Total sizes (G x T_g), the units of the cost tables.

@@ -265,7 +265,7 @@ def _compare_args(p: argparse.ArgumentParser) -> None:
   p.add_argument("--warm-start", action="store_true",
                  help="fit the estimator on a warm-up run first; runs continue from it")
   p.add_argument("--drafter-backlog", type=_positive_int, default=None,
-                 help="pending tokens a gated-off autoregressive drafter keeps before "
+                 help="pending tokens an autoregressive drafter that skips drafting keeps before "
                       "absorbing them (default 4 (K + 1); 1: the eager catch-up, K + 1)")
   p.add_argument("--steps-per-chunk", type=_positive_int, default=8,
                  help="decode steps between host syncs; a freed slot is refilled only "

@@ -290,11 +290,10 @@ class Runner:
       start = time.perf_counter()
       cost = self.tables(pair, slots, arm)
       if cost is None and (get_arm(arm.mode).adaptive or arm.mode == "oracle"):
-        # The oracle is charged with the tables AV plans against (same buckets), and AV
-        # without survival stop plans with them: the tables price the hardware (verify
-        # buckets, drafter passes per depth), not the policy, so one profile (cached on
-        # disk by the AV engine's config) serves the three arms.
-        shared = arm.mode in ("oracle", "av-gate", "av-no-stop", "av-no-price", "av-cap")
+        # The oracle is charged with the tables AV plans against (same buckets): the
+        # tables price the hardware (verify buckets, drafter passes per depth), not the
+        # policy, so one profile (cached on disk by the AV engine's config) serves both.
+        shared = arm.mode == "oracle"
         av_engine = engine if not shared else E.make_engine(
             dataclasses.replace(config, mode="av"), pair.cfg, pair.drafter)
         cost, profile = prof.profile_costs(av_engine, params)

@@ -122,6 +122,9 @@ def test_demo_paragraph_says_where_speculation_paid_from_the_numbers():
   assert "0.98x the best static arm (fixed:2) at concurrency 32" in modelled
   assert "speculation paid at concurrency 1 (fixed:2 at 1.20x" in wall
   assert "it did not at 32 (fixed:2 at 0.75x the target alone)" in wall
+  only_lost = _demo_results()
+  only_lost["wall"]["results"] = [r for r in only_lost["wall"]["results"] if r["concurrency"] == 32]
+  assert "speculation did not pay at concurrency 32" in demo.summary(only_lost, clock="h200")
   assert "0.95x the best static arm (target_only) at concurrency 32" in wall
 
 

@@ -30,6 +30,7 @@ Example (shape of the output; figures from the run):
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from typing import Callable, Mapping, Sequence
@@ -46,7 +47,7 @@ DEFAULT_CLOCK = "h200:llama3-8b"
 
 def add_args(p: argparse.ArgumentParser) -> None:
   p.add_argument("--models", default="default", type=model_set, help="shipped model set name")
-  p.add_argument("--drafter", default="block", choices=("draft_lm", "eagle", "block"),
+  p.add_argument("--drafter", default="eagle", choices=("draft_lm", "eagle", "block"),
                  help="the drafter of every speculative arm")
   p.add_argument("--workload", default=C.MIXED,
                  choices=(C.MIXED, "code", "prose", "math", "noisy"))
@@ -64,7 +65,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
   p.add_argument("--requests", type=at_least(1), default=4,
                  help="requests per run at least (a run decodes max(this, B) requests)")
   p.add_argument("--prompt-len", type=at_least(1), default=32, help="prompt tokens")
-  p.add_argument("--max-new", type=at_least(1), default=32, help="tokens generated per request")
+  p.add_argument("--max-new", type=at_least(1), default=24, help="tokens generated per request")
   p.add_argument("--temperature", type=temperature, default=1.0, help="0 = greedy")
   p.add_argument("--top-p", type=top_p, default=0.95, help="nucleus mass in (0, 1]")
   p.add_argument("--repeats", type=at_least(1), default=1,
@@ -179,7 +180,8 @@ def _clock_sentence(index: Mapping, concurrency: Sequence[int], name: str) -> st
   if paid:
     parts.append(f"speculation paid at concurrency {' and '.join(paid)}")
   if lost:
-    parts.append(f"it did not at {' and '.join(lost)}")
+    parts.append(f"it did not at {' and '.join(lost)}" if paid else
+                 f"speculation did not pay at concurrency {' and '.join(lost)}")
   text = f"On {name}, " + ", ".join(parts) + "." if parts else f"On {name}, no fixed K ran."
   if av:
     text += " AV, which does not know the best K in advance, reached " + "; ".join(av) + "."
@@ -204,11 +206,14 @@ def main(args) -> None:
         f"max(B, {args.requests}) requests x {args.max_new} tokens, K={args.k}, "
         f"repeats={args.repeats}; clocks: {args.clock} (modelled) and wall "
         f"({jax.devices()[0].device_kind})", flush=True)
+  load = os.getloadavg()[0]
   results = run(args, progress=progress)
   print()
   print(format_tables(results, clock=args.clock))
   print()
   print(summary(results, clock=args.clock))
+  print(f"Wall figures: {args.repeats} run(s) per arm; load average {load:.1f} at the start, "
+        f"{os.getloadavg()[0]:.1f} at the end ({os.cpu_count()} CPUs).")
   if args.json:
     C.write_json(args.json, results)
   print(f"done in {time.perf_counter() - progress.start:.1f} s"

@@ -118,8 +118,8 @@ print per-chunk statistics on stderr, each line after the text has reached a lin
 the active requests (at most active requests x K; a step that did not draft counts 0);
 verified = draft tokens actually fed to the target per step (the budget's allocation plus
 exploration); emitted/step = tokens produced per decode step (1 = no draft accepted);
-tokens/s = the chunk's emitted tokens over its wall time (compilation excluded: chunks
-run on compiled programs)"""
+tokens/s = the chunk's emitted tokens over its wall time (compilation excluded but for
+the target-only tokens' first chunk, which includes compiling their program)"""
 
 
 class _Handover(Exception):
@@ -194,22 +194,28 @@ def cmd_generate(args) -> None:
   key = jax.random.PRNGKey(args.seed)
   ready = threading.Event()
   prepared: dict = {}
+  overlap = engine.arm.drafts and args.plain_tokens > 0 and args.cost != "profiled"
 
   def prepare():
     try:
       began = time.perf_counter()
       prepared["cost"], prepared["source"] = step_costs(args, engine, params, status=_status)
-      _status(f"{prepared['source']}; {time.perf_counter() - began:.1f} s")
+      prepared["source"] += f"; {time.perf_counter() - began:.1f} s"
+      if not overlap:  # else said at the handover, not in the middle of the streamed text
+        _status(prepared["source"])
       began = time.perf_counter()
-      E.generate(engine, params, [prompt], max_new_tokens=min(2, args.max_new), key=key,
-                 cost=prepared["cost"])  # compiles the engine's programs
+      # Compiles the engine's programs, prefill included at the length the handover
+      # prefills (the prompt and the target-only tokens).
+      handover = len(prompt) + (min(args.plain_tokens, args.max_new) if overlap else 0)
+      warm = (prompt * (handover // max(len(prompt), 1) + 1))[:handover]
+      E.generate(engine, params, [warm], max_new_tokens=min(2, args.max_new), key=key,
+                 cost=prepared["cost"])
       prepared["compile_s"] = time.perf_counter() - began
     except BaseException as e:  # pylint: disable=broad-except
       prepared["error"] = e
     ready.set()
 
   plain_tokens = 0
-  overlap = engine.arm.drafts and args.plain_tokens > 0 and args.cost != "profiled"
   if overlap:
     _status(f"compiling the {args.mode} engine in the background; the first "
             f"{args.plain_tokens} tokens come from the target alone meanwhile")
@@ -252,10 +258,17 @@ def cmd_generate(args) -> None:
   spec_start = time.perf_counter()
   finish, s = "length", None
   if not done:
-    _status(f"{args.mode} engine ready (compiled in {prepared['compile_s']:.1f} s); "
-            f"continuing after {plain_tokens} target-only tokens" if overlap else
-            f"compiled in {prepared['compile_s']:.1f} s; generating")
+    if overlap:
+      if not stream.at_line_start:  # the status lines start a line of their own (stderr)
+        sys.stderr.write("\n")
+      stream.flush_stats()
+      _status(f"{prepared['source']}")
+      _status(f"{args.mode} engine ready (compiled in {prepared['compile_s']:.1f} s); "
+              f"continuing after {plain_tokens} target-only tokens")
+    else:
+      _status(f"compiled in {prepared['compile_s']:.1f} s; generating")
     stream.shown = 0
+    stream.last = time.perf_counter()  # chunk rates exclude the wait for the compile
     result = E.generate(engine, params, [prompt + stream.tokens],
                         max_new_tokens=args.max_new - plain_tokens,
                         key=jax.random.fold_in(key, 1), cost=prepared["cost"],

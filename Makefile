@@ -36,7 +36,7 @@ $(STAMP_NEXT): pyproject.toml ci/constraints-next.txt
 	touch $(STAMP_NEXT)
 
 demo: $(STAMP)
-	$(PY) -m av_jax.cli demo
+	$(PY) -m av_lab.cli demo
 
 # A test whose worker process crashed (jaxlib 0.10.2's CPU compiler has aborted at random
 # inside `backend_compile_and_load`, a different test each time, never reproducible alone;

@@ -8,7 +8,7 @@
 and `decider.draft_slots(state, active)`, the slots that draft (every active slot:
 this decider drafts all of them; `av_jax.decider.PolicyDecider`, the `av` arm's,
 chooses). The engine step of the static arms and `av_head`
-(`av_jax.engine.core.step`), the synthetic simulator (`av_jax.simulate.run`), the
+(`av_jax.engine.core.step`), the synthetic simulator (`av_lab.simulate.run`), the
 one-call `decision_step` and the overhead benchmark (`benchmarks/overhead.py`) all run
 these verbs of a `Decider` built by `make_decider`. What differs between arms is an argument, not a code path: the
 confidence head (`conf`, used when the decider was built with `head=True`), slots whose

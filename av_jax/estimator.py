@@ -47,7 +47,7 @@ class EstimatorConfig:
   """Every hyper-parameter of the online estimator, in one place (see `online_estimator`).
 
   Used by `online_estimator`, the engine (`EngineConfig.estimator`) and the NumPy
-  reference (`av_jax.decision_reference`).
+  reference (`av_lab.decision_reference`).
   """
   refit_interval: int = 100     # N, updates per round; `update` refits when a round ends
   damping: float = 50.0         # c, evidence damping n / (n + c) of each coefficient's step

@@ -29,7 +29,7 @@ import numpy as np
 
 from av_jax import engine as E
 from av_jax import models as M
-from av_jax.compare import workload_prompts
+from av_lab.compare import workload_prompts
 
 STREAMS_DIR = os.path.join(os.path.dirname(__file__), "streams")
 

@@ -361,7 +361,7 @@ def run_compare(out: str, *, quick: bool, clock: Clock | None = None) -> dict:
   timing, interleaved repeats, as `av-jax compare` does); returns its JSON (`settings`,
   `results`) plus the concurrencies skipped for time.
   """
-  from av_jax import compare as C  # pylint: disable=g-import-not-at-top  (deferred: loads
+  from av_lab import compare as C  # pylint: disable=g-import-not-at-top  (deferred: loads
   # the models and the engine, which the other measurements do not need)
   del out
   preset = dict(QUICK_COMPARE if quick else COMPARE)

@@ -6,7 +6,7 @@
 Acceptance comes from the shipped models decoding held-out prompts here (`--models`,
 default the shipped `default` set); time from the modelled H200 / llama3-8b clock
 (`av_jax.costs.roofline_costs`, fused serving kernels, 2048-token contexts), each drafter
-kind with its deployment cost shape (`av_jax.compare.DEPLOYMENT_DRAFTERS`: block ->
+kind with its deployment cost shape (`av_lab.compare.DEPLOYMENT_DRAFTERS`: block ->
 DFlash-style, eagle -> EAGLE-3-style, draft_lm -> MTP-style). Arms: fixed K in {0, 1, 2, 3,
 4, 6, 8} (K = 0 is target only) and AV (K = 8), at concurrency 1 ... 256. Writes
 `scale.json` (`av-jax compare`'s settings and records plus the goals), `scale.md` and,
@@ -32,7 +32,7 @@ import os
 import sys
 import time
 
-from av_jax import compare as C
+from av_lab import compare as C
 
 # Step counts are chosen so that the full preset fits the issue's 30 minutes on this 2-core
 # CPU at the v2 target's size (acceptance is what the models contribute; time is modelled):

@@ -24,11 +24,13 @@ from av_jax.engine import batching
 
 
 def compile_seconds(models, drafter_kind: str, mode: str, *, slots: int, max_draft: int,
-                    max_len: int) -> dict:
-  """{program name: seconds to lower and compile} for one engine."""
+                    max_len: int, **settings) -> dict:
+  """{program name: seconds to lower and compile} for one engine (`settings`: other
+  `EngineConfig` fields)."""
   drafter = M.make_drafter(drafter_kind, models)
   engine = E.make_engine(E.EngineConfig(num_slots=slots, max_draft=max_draft,
-                                        max_len=max_len, mode=mode), models, drafter)
+                                        max_len=max_len, mode=mode, **settings), models,
+                         drafter)
   params = E.Params(target=M.init_params(models.target, jax.random.PRNGKey(0)),
                     drafter=M.init_drafter_params(drafter_kind, models, jax.random.PRNGKey(1)))
   prefill, _, init = batching.compiled(engine)
@@ -55,14 +57,23 @@ def main() -> None:
   parser.add_argument("--slots", type=int, default=64)
   parser.add_argument("--max-draft", type=int, default=8)
   parser.add_argument("--max-len", type=int, default=256)
+  parser.add_argument("--draft-buckets", default=None,
+                      help="comma-separated draft bucket sizes of the av engine (default: "
+                           "the engine's)")
+  parser.add_argument("--num-buckets", type=int, default=None,
+                      help="verify buckets of the av engine (default: the engine's)")
   args = parser.parse_args()
+  extra = {} if args.num_buckets is None else {"num_buckets": args.num_buckets}
+  if args.draft_buckets:
+    extra["draft_buckets"] = tuple(int(x) for x in args.draft_buckets.split(","))
   models = M.load_config(args.config)
   print(f"load average {os.getloadavg()[0]:.2f}; {args.config} models, {args.drafter}, "
         f"B = {args.slots}, K = {args.max_draft}, M = {args.max_len}, jax {jax.__version__}")
   totals = {}
   for mode in ("fixed", "av"):
     secs = compile_seconds(models, args.drafter, mode, slots=args.slots,
-                           max_draft=args.max_draft, max_len=args.max_len)
+                           max_draft=args.max_draft, max_len=args.max_len,
+                           **(extra if mode == "av" else {}))
     totals[mode] = sum(secs.values())
     parts = ", ".join(f"{k} {v:.1f} s" for k, v in secs.items())
     print(f"{mode:6s}: {totals[mode]:.1f} s ({parts})")

@@ -3,7 +3,7 @@
 For each drafter and concurrency, times side by side in one process a target-only
 engine chunk and an AV chunk in which no slot drafts (autoregressive
 drafters catch up), repeats interleaved, and prints / writes the median ratio and its
-range. Goal: <= 1.05 at every concurrency. Logic: `av_jax.engine.gate_cost`. A chunk is
+range. Goal: <= 1.05 at every concurrency. Logic: `av_lab.gate_cost`. A chunk is
 the AV engine's backlog of steps by default (one absorb of a full backlog per slot);
 `--backlog K+1` times the eager catch-up, `--steps` a shorter stretch.
 
@@ -19,7 +19,7 @@ import json
 import jax
 
 from av_jax import models as M
-from av_jax.engine import gate_cost
+from av_lab import gate_cost
 
 
 def main(argv=None) -> None:

@@ -20,7 +20,7 @@ import json
 import os
 import sys
 
-from av_jax.studies import report
+from av_lab.studies import report
 
 
 def merge(main_dir: str, others: list[str]) -> dict:

@@ -25,7 +25,7 @@ for B in ${concurrencies//,/ }; do
     [ -s "$json" ] && { echo "have $json"; continue; }
     per_slot=$(( (min_requests + B - 1) / B ))
     (( per_slot < 2 )) && per_slot=2
-    PYTHONPATH=. "$python" -m av_jax.cli compare --models default --drafter "$drafter" \
+    PYTHONPATH=. "$python" -m av_lab.cli compare --models default --drafter "$drafter" \
       --workload "$workloads" --concurrency "$B" \
       --arms target_only,fixed:1,fixed:2,fixed:4,fixed:8,av --repeats 3 --clock "$clock" \
       --max-new 32 --requests-per-slot "$per_slot" \

@@ -3,7 +3,7 @@
 Times the whole per-step decision (`av_jax.decision.decision_step`: logit_qmax of the
 `[B, K, V]` draft logits, then the decider's `learn`, `score` and `plan`: estimator
 update, predict, survival, budget, allocation) as one jitted function, interleaved in
-one run with the same decision in NumPy (`av_jax.decision_reference`) and PyTorch eager
+one run with the same decision in NumPy (`av_lab.decision_reference`) and PyTorch eager
 (`benchmarks/references.py`); checks that the three agree; counts traces; and compares
 the feature pass with one jitted `jnp.max` over the same logits (one read of the logits
 is the floor).
@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from av_jax.decision_reference import DecisionConfig, NumpyDecision, flatten_state
+from av_lab.decision_reference import DecisionConfig, NumpyDecision, flatten_state
 from av_jax.estimator import EstimatorConfig
 from av_jax.features import logit_qmax
 from feature_variants import hlo_passes, logit_qmax_fused  # benchmarks/ is on sys.path
@@ -65,7 +65,7 @@ def parse_args(argv=None):
 
 
 def hardware() -> dict:
-  from av_jax import _machine
+  from av_lab import _machine
   return dict(cpu=_machine.cpu_model(), cores=os.cpu_count(),
               usable_cores=len(os.sched_getaffinity(0)), jax=jax.__version__,
               numpy=np.__version__, torch=None if torch is None else torch.__version__,

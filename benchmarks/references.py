@@ -1,6 +1,6 @@
 """PyTorch-eager reference of the per-step decision, for benchmarks/overhead.py.
 
-The same math as `av_jax.decision.decision_step` and `av_jax.decision_reference.
+The same math as `av_jax.decision.decision_step` and `av_lab.decision_reference.
 NumpyDecision`, op for op, in float32 torch on the CPU, written as an eager serving
 engine would (in-place ops where they save a pass or an allocation). State is the same
 flat dict as the NumPy reference, holding tensors. Needs `torch` (the `bench` extra).
@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from av_jax.decision_reference import DecisionConfig
+from av_lab.decision_reference import DecisionConfig
 from av_jax.features import FEATURE_CLIP
 from av_jax.planner import _ALL
 

@@ -2,7 +2,7 @@
 
 import sys
 
-from av_jax.studies.run import main
+from av_lab.studies.run import main
 
 if __name__ == "__main__":
   sys.exit(main())

@@ -55,7 +55,7 @@ def parse_args(argv=None):
 
 
 def hardware() -> dict:
-  from av_jax import _machine
+  from av_lab import _machine
   d = _machine.describe()
   return dict(cpu=d["cpu"], cores=d["cores"], jax=d["jax"], backend=d["backend"],
               load_avg=d["load_avg"])
@@ -85,7 +85,7 @@ def time_decision(B, K, V, args) -> dict:
   """Median seconds of one jitted decision step at (B, K, V)."""
   import jax
   import numpy as np
-  from av_jax.decision_reference import DecisionConfig
+  from av_lab.decision_reference import DecisionConfig
   tokens = np.arange(B * (K + 1) + 1)
   # Affine costs with the break-even survival near 1/3: the budget is interior.
   cfg = DecisionConfig(num_positions=K, draft_ms=(1.0,) * (B + 1),

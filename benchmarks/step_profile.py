@@ -1,7 +1,7 @@
 """Where a gated-off AV step's time goes, against a target-only step (issue 14 item 4).
 
 Runs, in one process, chunks of decode steps of a target-only engine and of an AV engine
-whose gate is closed (every slot busy, none drafting: `av_jax.engine.gate_cost`'s busy
+whose gate is closed (every slot busy, none drafting: `av_lab.gate_cost`'s busy
 state), under `jax.profiler`, and reads the trace's per-thunk events (XLA:CPU records one
 per executed HLO instruction). Each executed instruction is keyed by its source path
 (the HLO `op_name` metadata with the loop and branch frames removed) and its output shape,
@@ -32,7 +32,8 @@ import jax
 import jax.numpy as jnp
 
 from av_jax import models as M
-from av_jax.engine import core, gate_cost
+from av_jax.engine import core
+from av_lab import gate_cost
 
 _INSTR = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (\S+) (\w[\w-]*)\(")
 _OP_NAME = re.compile(r'op_name="([^"]+)"')

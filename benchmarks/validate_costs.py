@@ -27,7 +27,7 @@ import sys
 import jax
 import numpy as np
 
-from av_jax import _machine
+from av_lab import _machine
 from av_jax import costs
 from av_jax import engine as E
 from av_jax import models as M

@@ -20,7 +20,7 @@ cd "$work"
 "$venv/bin/python" - "$venv" <<'PY'
 import os, sys
 import av_jax
-import av_jax.cli, av_jax.engine, av_jax.models, av_jax.studies  # no test extras needed
+import av_lab.cli, av_jax.engine, av_jax.models, av_lab.studies  # no test extras needed
 where = os.path.realpath(av_jax.__file__)
 assert where.startswith(os.path.realpath(sys.argv[1])), f"av_jax imported from {where}, not the venv"
 print("integration: av_jax", av_jax.__version__, "installed at", os.path.dirname(where))

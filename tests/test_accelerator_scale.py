@@ -1,12 +1,12 @@
 """benchmarks/accelerator_scale.py: the presets and the goal verdicts it reports (from
-records built by `av_jax.compare.records`, so the verdicts are the ones a run prints)."""
+records built by `av_lab.compare.records`, so the verdicts are the ones a run prints)."""
 
 import importlib.util
 import os
 
 import pytest
 
-from av_jax import compare as C
+from av_lab import compare as C
 
 _SCRIPT = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "accelerator_scale.py")
 _spec = importlib.util.spec_from_file_location("accelerator_scale", _SCRIPT)

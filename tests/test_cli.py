@@ -7,9 +7,9 @@ import sys
 import jax
 import pytest
 
-from av_jax import _flags, cli
-from av_jax.studies import report as R
-from av_jax.studies.settings import Settings
+from av_lab import _flags, cli
+from av_lab.studies import report as R
+from av_lab.studies.settings import Settings
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -113,7 +113,7 @@ def _demo_results():
 
 
 def test_demo_paragraph_says_where_speculation_paid_from_the_numbers():
-  from av_jax.engine import demo
+  from av_lab import demo
   text = demo.summary(_demo_results(), clock="h200:llama3-8b")
   modelled, wall = text.split("On this machine's wall clock")
   assert "speculation paid at concurrency 1 (fixed:4 at 1.60x" in modelled
@@ -129,7 +129,7 @@ def test_demo_paragraph_says_where_speculation_paid_from_the_numbers():
 
 
 def test_demo_tables_put_both_clocks_side_by_side():
-  from av_jax.engine import demo
+  from av_lab import demo
   table = demo.format_tables(_demo_results(), clock="h200:llama3-8b")
   rows = {line.split()[0]: line.split() for line in table.splitlines()
           if line.startswith("  ") and line.split()[0] in ("target_only", "fixed:2", "fixed:4", "av")}

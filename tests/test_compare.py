@@ -1,4 +1,4 @@
-"""`av_jax.compare` on tiny random models: two arms, wall and modelled clocks, the JSON's
+"""`av_lab.compare` on tiny random models: two arms, wall and modelled clocks, the JSON's
 schema, ratios computed from the records, and bad input refused by name (~1 min)."""
 
 import json
@@ -9,8 +9,8 @@ import jax
 import numpy as np
 import pytest
 
-from av_jax import cli
-from av_jax import compare as C
+from av_lab import cli
+from av_lab import compare as C
 from av_jax import models as M
 from tests import _engine_fixtures as fx
 
@@ -152,7 +152,7 @@ def test_num_buckets_reaches_every_engine_and_the_cli_parses_it():
   carries N (a static arm keeps its one bucket); None keeps the engine's default; a
   non-positive N is refused naming the flag."""
   import argparse
-  from av_jax import cli
+  from av_lab import cli
   from av_jax import engine as E
   arm_av, arm_fixed = C.parse_arms("av,fixed:4", max_draft=8)
   for n, want in ((None, E.EngineConfig().num_buckets), (6, 6)):

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from av_jax.decision import decision_step, make_decider
-from av_jax.decision_reference import DecisionConfig, NumpyDecision, flatten_state
+from av_lab.decision_reference import DecisionConfig, NumpyDecision, flatten_state
 from av_jax.estimator import EstimatorConfig
 from av_jax.planner import PlannerConfig
 

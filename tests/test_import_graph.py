@@ -89,3 +89,27 @@ def test_function_local_imports_say_why():
             if not re.search(r"#\s*deferred", line):
               bare.append(f"{module}:{inner.lineno}: {line.strip()}")
   assert bare == []
+
+
+def test_the_library_never_imports_the_lab():
+  """`import av_jax` (and every library module, at any depth) loads no `av_lab` module:
+  the lab (comparisons, studies, replay, demos, the CLI) sits beside the library, which a
+  serving stack imports alone. Checked in a fresh interpreter, and in the source: no
+  library module names `av_lab` in an import statement (function-local ones included)."""
+  import subprocess
+  import sys
+  modules = sorted(_modules())
+  code = ("import importlib, sys\n"
+          f"for m in {modules!r}:\n"
+          "  importlib.import_module(m)\n"
+          "print(sorted(m for m in sys.modules if m.split('.')[0] == 'av_lab'))\n")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       check=True, cwd=os.path.dirname(ROOT))
+  assert out.stdout.strip() == "[]", out.stdout
+  for module, path in _modules().items():
+    with open(path, encoding="utf-8") as f:
+      tree = ast.parse(f.read())
+    for node in ast.walk(tree):
+      names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+               [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+      assert not any(n.split(".")[0] == "av_lab" for n in names), (module, names)

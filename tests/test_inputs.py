@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import av_jax
-from av_jax import simulate
+from av_lab import simulate
 from av_jax.decision import make_decider, make_decision
 from av_jax.planner import make_planner
 

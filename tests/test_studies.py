@@ -15,10 +15,10 @@ from sklearn.metrics import log_loss as sk_log_loss
 from sklearn.metrics import roc_auc_score
 
 from av_jax import engine as E
-from av_jax.studies import analysis as A
-from av_jax.studies import collect as C
-from av_jax.studies import report as R
-from av_jax.studies import throughput as T
+from av_lab.studies import analysis as A
+from av_lab.studies import collect as C
+from av_lab.studies import report as R
+from av_lab.studies import throughput as T
 from tests import _engine_fixtures as fx
 
 
@@ -170,7 +170,7 @@ def test_collect_refuses_an_engine_without_recorded_features():
 
 
 def test_report_writes_markdown_plots_and_json(tiny_stream, tmp_path):
-  from av_jax.studies.run import Settings
+  from av_lab.studies.run import Settings
   s = Settings(k=3, label_slots=4, label_steps=8, refit_interval=4, drift_steps=8,
                drift_workloads=("a", "b"), concurrencies=(2, 4), pareto_ks=(0, 2),
                warmup_rounds=1)
@@ -245,13 +245,13 @@ def test_sweep_arms_and_the_recorded_commit():
   assert [a.mode for a in T.on_off_arms(8)] == ["fixed", "av"]
   with pytest.raises(ValueError, match="confstop"):
     T.pareto_arms((0,), 4, confstop=(1.5,))
-  from av_jax import _machine
+  from av_lab import _machine
   commit = _machine.commit()
   assert commit is None or re.fullmatch(r"[0-9a-f]{4,40}\+?", commit)
 
 
 def test_settings_refuse_a_stream_that_ends_in_warm_up():
-  from av_jax.studies.settings import Settings
+  from av_lab.studies.settings import Settings
   Settings().validate()
   Settings.quick().validate()
   with pytest.raises(ValueError, match="label_steps"):
@@ -264,7 +264,7 @@ def test_label_streams_get_enough_prompts_that_no_slot_idles():
   """A stream of S steps keeps every slot labelling to its last step: `label_prompts`
   gives each slot as many requests as the fastest possible requests could use. The old
   fixed 4 per slot (the negative control) runs out and leaves slots idle."""
-  from av_jax.studies.run import Settings, label_prompts
+  from av_lab.studies.run import Settings, label_prompts
   s = Settings(k=3, label_slots=4, label_steps=24, label_max_new=4, drift_steps=8,
                refit_interval=4)
   cfg, drafter, params = fx.pair("block")
@@ -294,7 +294,7 @@ def test_merge_adds_another_runs_modelled_points_and_names_it(tmp_path):
   adds nothing, or ran on another clock, is refused."""
   sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
   import merge_studies
-  from av_jax.studies.run import Settings
+  from av_lab.studies.run import Settings
 
   def run(out, concurrencies, command, clock="h200:llama3-8b"):
     s = Settings(k=3, modelled_concurrencies=concurrencies, modelled_drafters=("eagle",),

@@ -145,7 +145,7 @@ def figures(infos, tables: CostTables, *, emitted: int | None = None,
   """Modelled throughput of a run: seconds, tokens/s, per-request tokens/s, the label.
 
   Per-request tokens/s is tokens/s divided by the mean number of active requests over
-  the charged steps (the wall-clock figures of `av_jax.compare` use the same rule). The
+  the charged steps (the wall-clock figures of `av_lab.compare` use the same rule). The
   `steady_*` figures count only the steps with every slot busy (the most active requests
   of the run): the run before its final drain, whose length the slowest request sets
   whatever the arm.

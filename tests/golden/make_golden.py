@@ -30,7 +30,7 @@ import numpy as np
 
 from av_jax import engine as E
 from av_jax import models as M
-from av_jax import simulate
+from av_lab import simulate
 from av_jax.models import checkpoint
 from av_jax.selection import make_cost_model
 from tests import _engine_fixtures as fx
@@ -128,7 +128,7 @@ SIMULATE_MODES = ("target_only", "fixed", "av", "oracle")
 
 
 def run_simulate(mode: str) -> dict:
-  """A short synthetic run (`av_jax.simulate.run`): per-step stats and final estimator."""
+  """A short synthetic run (`av_lab.simulate.run`): per-step stats and final estimator."""
   workload = simulate.SyntheticWorkload(num_slots=6, num_positions=3, vocab_size=16)
   cost = make_cost_model(np.full(7, 0.3), 1.0 + 0.05 * np.arange(6 * 4 + 1))
   stats, est = simulate.run(jax.random.key(3), workload, cost, mode=mode, num_steps=12,

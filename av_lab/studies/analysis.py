@@ -17,7 +17,7 @@ import jax
 import numpy as np
 
 from av_jax import metrics
-from av_jax.studies.collect import Drafts
+from av_lab.studies.collect import Drafts
 
 
 class Fit(NamedTuple):

@@ -1,7 +1,7 @@
 """Command-line flag types: a bad value is an argparse error naming the flag.
 
 `argument --slots: expected an integer >= 1, got '0'` instead of a traceback from deep in
-the engine. Used by `av_jax.cli`, `av_jax.demo`, `av_jax.engine.demo` and `av_jax.studies.run`.
+the engine. Used by `av_lab.cli`, `av_lab.synthetic_demo`, `av_lab.demo` and `av_lab.studies.run`.
 """
 
 from __future__ import annotations

@@ -22,14 +22,14 @@ _IMPORTED = time.perf_counter()  # the command's start (after `import av_jax`)
 import jax  # pylint: disable=wrong-import-position
 import numpy as np
 
-from av_jax import compare as C
+from av_lab import compare as C
 from av_jax import costs
-from av_jax._flags import at_least, model_set, temperature, top_p
+from av_lab._flags import at_least, model_set, temperature, top_p
 from av_jax import engine as E
 from av_jax import models as M
-from av_jax.engine import demo
+from av_lab import demo
 from av_jax.engine import profile as prof
-from av_jax.studies import run as studies
+from av_lab.studies import run as studies
 
 
 def check_lengths(parser: argparse.ArgumentParser, args) -> None:
@@ -299,7 +299,7 @@ def cmd_profile(args) -> None:
 
 
 def cmd_demo(args) -> None:
-  """The main job (`av_jax.engine.demo`)."""
+  """The main job (`av_lab.demo`)."""
   demo.main(args)
 
 

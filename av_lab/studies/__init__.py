@@ -2,5 +2,5 @@
 
 `collect` gathers labelled drafts and coefficient traces from engine runs, `analysis`
 fits and scores predictors, `throughput` runs side-by-side speed sweeps, `report` writes
-Markdown, PNG and JSON, and `run` is the suite (`python -m av_jax.studies.run`).
+Markdown, PNG and JSON, and `run` is the suite (`python -m av_lab.studies.run`).
 """

@@ -1,6 +1,6 @@
 """Throughput sweeps: AV against fixed draft lengths, side by side (study 5).
 
-The sweeps run on `av_jax.compare`'s implementation (one implementation for `av-jax
+The sweeps run on `av_lab.compare`'s implementation (one implementation for `av-jax
 compare`, `av-jax demo` and the studies): for one concurrency C (slots) at a time, every
 arm — target only, fixed K, AV, the oracle — gets its engine compiled (and AV its cost
 tables profiled) before any timing; then the arms decode the same prompts in interleaved
@@ -18,10 +18,10 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from av_jax import compare
-from av_jax.compare import pareto_front
-from av_jax.compare import ratios
-from av_jax.compare import summarize
+from av_lab import compare
+from av_lab.compare import pareto_front
+from av_lab.compare import ratios
+from av_lab.compare import summarize
 
 # The studies' arms are `compare`'s, with their own labels ("fixed K=4", "AV (K=8)").
 Arm = compare.ArmSpec

@@ -24,7 +24,7 @@ Clocks (`parse_clock`):
 * `<table.json>`: a measured cost-table file (`av_jax.costs.load_cost_table`,
   `benchmarks/accelerator.py`).
 
-The studies' throughput sweeps (`av_jax.studies.throughput`) run on `Runner`, this
+The studies' throughput sweeps (`av_lab.studies.throughput`) run on `Runner`, this
 module's implementation.
 """
 

@@ -1,7 +1,7 @@
 """Synthetic demo: AV against fixed K on a synthetic draft stream, no models involved.
 
-Run with `python -m av_jax.demo` (the main job on the shipped models is `make demo` /
-`av-jax demo`, in `av_jax.engine.demo`). Prints a table of modelled throughput (tokens
+Run with `python -m av_lab.synthetic_demo` (the main job on the shipped models is `make demo` /
+`av-jax demo`, in `av_lab.demo`). Prints a table of modelled throughput (tokens
 per unit of step cost) for target-only decoding, fixed verification of all K draft
 tokens, Adaptive Verification with the online estimator, and a hindsight oracle, at
 several concurrencies, plus the estimator's calibration after warm-up. It compiles one
@@ -17,8 +17,8 @@ import time
 import jax
 import numpy as np
 
-from av_jax import simulate
-from av_jax._flags import at_least
+from av_lab import simulate
+from av_lab._flags import at_least
 from av_jax.selection import make_cost_model
 
 DEMO_ARMS = ("target_only", "fixed", "av", "oracle")  # arms of av_jax.arms.ARMS shown

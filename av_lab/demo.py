@@ -12,7 +12,7 @@ compiled once for both:
   models run here, every step charged what that deployment would pay for what it did
   (`av_jax.engine.clock`), and AV deciding with the same tables;
 * this machine's wall clock: AV decides with the modelled tables of the shipped shapes on
-  this machine's measured rates (`av_jax.compare.machine_tables`; no profiling).
+  this machine's measured rates (`av_lab.compare.machine_tables`; no profiling).
 
 It prints one table per concurrency (tokens/s on each clock, and each arm's ratio to the
 target alone) and a paragraph generated from the numbers: where speculation paid and
@@ -38,8 +38,8 @@ from typing import Callable, Mapping, Sequence
 
 import jax
 
-from av_jax import compare as C
-from av_jax._flags import at_least, model_set, temperature, top_p
+from av_lab import compare as C
+from av_lab._flags import at_least, model_set, temperature, top_p
 
 DEFAULT_CONCURRENCY = "1,32"  # a low and a high concurrency
 DEFAULT_ARMS = "target_only,fixed:2,fixed:4,av"

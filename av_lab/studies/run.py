@@ -28,19 +28,19 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
-from av_jax import _machine
-from av_jax import compare
-from av_jax._flags import at_least
+from av_lab import _machine
+from av_lab import compare
+from av_lab._flags import at_least
 from av_jax import data
 from av_jax import engine as E
 from av_jax import models as M
 from av_jax.decision import make_decider, make_decision
 from av_jax.estimator import EstimatorConfig
 from av_jax.selection import linear_cost_model
-from av_jax.studies import collect as C
-from av_jax.studies import report
-from av_jax.studies import throughput as T
-from av_jax.studies.settings import DRAFTERS, WORKLOADS, Settings
+from av_lab.studies import collect as C
+from av_lab.studies import report
+from av_lab.studies import throughput as T
+from av_lab.studies.settings import DRAFTERS, WORKLOADS, Settings
 
 
 def hardware() -> dict:

@@ -46,7 +46,7 @@ class Settings:
   # Arms beyond fixed K and AV: vLLM's batch-level confidence stop at each threshold of
   # `confstop` in the Pareto sweeps (its goal compares AV with the best of them).
   confstop: tuple = (0.5, 0.8)
-  # The same Pareto arms again on a modelled accelerator clock (`av_jax.compare`
+  # The same Pareto arms again on a modelled accelerator clock (`av_lab.compare`
   # DEVICE:SHAPE): the engine decodes here and every step is charged the deployment's
   # roofline cost, so concurrencies beyond what this CPU serves fast are shown.
   modelled_clock: str | None = "h200:llama3-8b"

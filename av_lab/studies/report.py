@@ -7,11 +7,11 @@ import os
 
 import numpy as np
 
-from av_jax import compare
-from av_jax.studies import analysis as A
-from av_jax.studies import throughput as T
-from av_jax.studies.collect import FEATURE_NAMES, Drafts
-from av_jax.studies.settings import Settings
+from av_lab import compare
+from av_lab.studies import analysis as A
+from av_lab.studies import throughput as T
+from av_lab.studies.collect import FEATURE_NAMES, Drafts
+from av_lab.studies.settings import Settings
 
 ESTIMATOR = "logit(q_max), shared slope (shipped)"
 SERVED = "online estimator (served)"

@@ -1,8 +1,9 @@
-"""Where a gated-off AV step's time goes, against a target-only step (issue 14 item 4).
+"""Where a quiet AV step's time goes (its plan drafts for no slot), against a target-only
+step.
 
 Runs, in one process, chunks of decode steps of a target-only engine and of an AV engine
-whose gate is closed (every slot busy, none drafting: `av_lab.gate_cost`'s busy
-state), under `jax.profiler`, and reads the trace's per-thunk events (XLA:CPU records one
+whose plan drafts for no slot (every slot busy, drafting priced out: `av_lab.gate_cost`'s
+busy state), under `jax.profiler`, and reads the trace's per-thunk events (XLA:CPU records one
 per executed HLO instruction). Each executed instruction is keyed by its source path
 (the HLO `op_name` metadata with the loop and branch frames removed) and its output shape,
 so the same work in the two programs has the same key. Prints per step: wall time, thunks
@@ -93,7 +94,7 @@ def summarize(events: list[dict], instrs: dict, *, steps: int) -> dict:
 
 def profile(models, *, drafter: str, concurrency: int, max_draft: int = 8, max_len: int = 80,
             prompt_len: int = 32, steps: int = 8, chunks: int = 3, rounds: int = 3) -> dict:
-  """Traces `rounds` x `chunks` chunks of `steps` gated-off steps of each arm
+  """Traces `rounds` x `chunks` chunks of `steps` quiet steps of each arm
   (target-only, AV), the arms' rounds interleaved."""
   if steps < 1 or chunks < 1 or rounds < 1:
     raise ValueError(f"steps, chunks, rounds: expected >= 1, got {steps}, {chunks}, {rounds}")
@@ -105,13 +106,13 @@ def profile(models, *, drafter: str, concurrency: int, max_draft: int = 8, max_l
   arms = {}
   for mode in ("target_only", "av"):
     config = core.EngineConfig(mode=mode, num_slots=concurrency, max_draft=max_draft,
-                               max_len=max_len, steps_per_chunk=steps, explore_every=1,
-                               draft_recheck_every=10**6, temperature=1.0, top_p=0.95)
+                               max_len=max_len, steps_per_chunk=steps, temperature=1.0,
+                               top_p=0.95)
     engine = core.make_engine(config, models, kind)
     # The engine's default (threefry) key, as runs use.
     state = gate_cost._busy_state(engine, params, prompt_len=prompt_len,
                                   key=jax.random.PRNGKey(0))
-    state, _ = jax.jit(lambda p, s: core.step(engine, p, s))(params, state)  # closes the gate
+    state, _ = jax.jit(lambda p, s: core.step(engine, p, s))(params, state)  # a first step
     run = jax.jit(lambda p, s: core.run_chunk(engine, p, s, steps), donate_argnums=1)
     instrs = instructions(run.lower(params, state).compile().as_text())
     fresh = lambda state=state: jax.block_until_ready(jax.tree.map(jnp.copy, state))

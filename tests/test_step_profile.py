@@ -37,7 +37,7 @@ def test_both_arms_traced_per_step(tiny_profile):
     r = tiny_profile[mode]
     assert r["executions"] == 2, mode  # one run id per traced chunk (1 x 2 rounds)
     assert r["wall_ms"] > 0 and r["thunks"] > 10 and r["thunk_ms"] > 0
-    assert r["drafted"] == 0  # the gate held: these are gated-off steps
+    assert r["drafted"] == 0  # the plan drafted for no slot: quiet steps
   # AV's step runs the decision on top of the same target pass: more thunks per step.
   assert tiny_profile["av"]["thunks"] > tiny_profile["target_only"]["thunks"]
 

@@ -44,6 +44,7 @@ from av_jax.policy import make_policy
 from av_jax.profiling import profile_costs
 from av_jax.sampling import Sampling
 from av_jax.sampling import sampling_log_probs
+from av_jax.rejection import LogprobsTensors
 from av_jax.rejection import RejectionResult
 from av_jax.rejection import rejection_sample
 from av_jax.rejection import rejection_sample_ragged
@@ -68,6 +69,7 @@ __all__ = (
     "FEATURES",
     "FEATURE_CLIP",
     "Feature",
+    "LogprobsTensors",
     "OnlineEstimator",
     "POLICIES",
     "Plan",

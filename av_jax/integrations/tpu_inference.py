@@ -65,8 +65,8 @@ import numpy as np
 
 from av_jax import _checks
 from av_jax.sampling import sampling_log_probs
-from av_jax.integrations._layout import (check_counts, pack_drafts, ragged_index, to_dense_labels,
-                                         to_flat)
+from av_jax.integrations._layout import (check_counts, mask_labels, pack_drafts, ragged_index,
+                                         to_dense_labels, to_flat)
 from av_jax.rejection import LogprobsTensors, check_num_logprobs, gather_logprobs, rejection_sample
 
 __all__ = ["DATA_AXES", "GREEDY_TEMPERATURE_EPS", "LogprobsTensors", "PLACEHOLDER_TOKEN_ID",
@@ -311,6 +311,7 @@ def labels_from_output(
     *,
     max_draft_len: int,
     dp_size: int = 1,
+    learn: jax.typing.ArrayLike | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """AV's labels from a `[T + B]` output alone (`num_rejected_tokens`-style).
 
@@ -319,6 +320,15 @@ def labels_from_output(
   token is the recovered one) and rejected the next. A draft id that ended verification
   without being a draw (out of range; see `av_jax.rejection`) reads as a rejection here:
   `RejectionSampler.sample_with_labels` gives the exact labels.
+
+  Args:
+    output_token_ids: `[T + B]` the sampler's output.
+    num_draft_tokens: `[B]` drafts per request.
+    max_draft_len: static K.
+    dp_size: data-parallel blocks of the output (`RejectionSampler`'s mesh).
+    learn: optional `[B]` bool, requests whose labels the estimator learns from; a
+      request whose target applied a transform the drafter never sees (penalties,
+      banned ids, a grammar) passes False and gets no label (`accepted` is kept).
 
   Returns:
     `(accepted [B, K], labeled [B, K], num_rejected_tokens [B])`; `num_rejected_tokens`
@@ -333,8 +343,10 @@ def labels_from_output(
   if T < 0 or T % dp_size or B % dp_size:
     raise ValueError(f"output_token_ids: expected [T + B] with T, B divisible by "
                      f"dp_size={dp_size}, got shape {output_token_ids.shape} for B={B}")
-  return _labels_from_output(output_token_ids, num_draft_tokens, max_draft_len=int(max_draft_len),
-                             dp_size=int(dp_size))
+  accepted, labeled, rejected = _labels_from_output(
+      output_token_ids, num_draft_tokens, max_draft_len=int(max_draft_len),
+      dp_size=int(dp_size))
+  return accepted, mask_labels(labeled, learn), rejected
 
 
 @functools.partial(jax.jit, static_argnames=("max_draft_len", "dp_size"))

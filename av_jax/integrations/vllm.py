@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 
 from av_jax import _checks
-from av_jax.integrations._layout import pack_drafts, ragged_index, to_dense_labels
+from av_jax.integrations._layout import mask_labels, pack_drafts, ragged_index, to_dense_labels
 from av_jax.rejection import LogprobsTensors, rejection_sample_ragged
 
 __all__ = ["LogprobsTensors", "PLACEHOLDER_TOKEN_ID", "VllmRejectionOutput",
@@ -131,3 +131,42 @@ def rejection_sample(
   return VllmRejectionOutput(sampled_token_ids=sampled, num_accepted=result.num_accepted,
                              accepted=result.accepted, labeled=result.labeled,
                              logprobs_tensors=tensors)
+
+
+def labels_from_output(
+    sampled_token_ids: jax.typing.ArrayLike,
+    num_draft_tokens: jax.typing.ArrayLike,
+    *,
+    learn: jax.typing.ArrayLike | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """AV's `[B, K]` labels from vLLM's `sampled_token_ids [B, K + 1]` alone.
+
+  Request b emitted `n_b` tokens (its non-placeholder entries): it accepted `n_b - 1`
+  drafts, and rejected the next when that is fewer than its `num_draft_tokens[b]`. E.g.
+  rows `[[1, 2, 5], [3, 7, -1]]` with 2 drafts each: request 0 accepted both (5 is its
+  bonus token), request 1 accepted one and rejected its second draft.
+
+  Args:
+    sampled_token_ids: `[B, K + 1]` vLLM's output rows, -1 after each request's last token.
+    num_draft_tokens: `[B]` drafts per request.
+    learn: optional `[B]` bool, requests whose labels the estimator learns from; a
+      request whose target applied a transform the drafter never sees (penalties,
+      banned ids, a grammar) passes False and gets no label (`accepted` is kept).
+
+  Returns:
+    `(accepted [B, K], labeled [B, K], num_rejected_tokens [B])`.
+  """
+  sampled_token_ids = jnp.asarray(sampled_token_ids)
+  num_draft_tokens = jnp.asarray(num_draft_tokens)
+  _checks.rank("sampled_token_ids", sampled_token_ids, 2, "B,K+1")
+  _checks.integer("sampled_token_ids", sampled_token_ids)
+  B, K = sampled_token_ids.shape[0], sampled_token_ids.shape[1] - 1
+  _checks.shape("num_draft_tokens", num_draft_tokens, (B,), "B")
+  _checks.integer("num_draft_tokens", num_draft_tokens)
+  counts = jnp.clip(num_draft_tokens.astype(jnp.int32), 0, K)
+  emitted = jnp.sum(sampled_token_ids != PLACEHOLDER_TOKEN_ID, axis=-1, dtype=jnp.int32)
+  num_accepted = jnp.clip(emitted - 1, 0, counts)
+  pos = jnp.arange(K)[None, :]
+  accepted = pos < num_accepted[:, None]
+  labeled = accepted | ((pos == num_accepted[:, None]) & (num_accepted < counts)[:, None])
+  return accepted, mask_labels(labeled, learn), counts - num_accepted

@@ -41,6 +41,7 @@ from av_jax.policy import StepCost
 from av_jax.policy import StepOutcome
 from av_jax.policy import choose
 from av_jax.policy import make_policy
+from av_jax.profiling import check_cost_covers
 from av_jax.profiling import profile_costs
 from av_jax.sampling import Sampling
 from av_jax.sampling import sampling_log_probs
@@ -79,6 +80,7 @@ __all__ = (
     "RejectionResult",
     "Sampling",
     "allocate",
+    "check_cost_covers",
     "choose_budget",
     "costs",
     "decision_step",

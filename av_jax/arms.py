@@ -8,30 +8,17 @@ synthetic simulator and the studies name arms from here and nowhere else.
 | `target_only` | no     | -                     | `none`                         | nothing            |
 | `fixed`       | yes    | -                     | `fixed` (all K of every slot)  | what it verified   |
 | `av`          | yes    | the online estimator  | `av_jax.policy`: one priced choice | what it verified |
-| `av-gate`     | yes    | the online estimator  | exact for the drafter          | what it verified   |
-| `av-no-price` | yes    | the online estimator  | exact for the drafter          | what it verified   |
-| `av-cap`      | yes    | the online estimator  | exact for the drafter          | what it verified   |
-| `av-no-stop`  | yes    | the online estimator  | exact for the drafter          | what it verified   |
 | `av_head`     | yes    | the confidence head   | exact for the drafter          | what it verified   |
 | `confstop`    | yes    | -                     | `fixed`, confidence stop       | what it verified   |
 | `oracle`      | yes    | -                     | `fixed`, hindsight accounting  | only the accepted  |
 
 `av` decides who drafts, how deep and what is verified from one objective
-(`av_jax.policy`, through `av_jax.decider`). The arms below it are the previous decision
-(a skip-drafting gate, survival stop and pass pricing over the budget planner), kept
-to be measured beside it until they are removed.
-
-Drafting stop (`Arm.stop`, autoregressive drafters only; docs/algorithm.md section 10):
-`av-gate` stops each request's drafting early by *survival stop* (`av_jax.stopping`): a
-request drafts depth j+1 only while its survival at depth j is at least a threshold
-from earlier steps; the lagged budget is allocated over the drafted positions; and the
-batch drafts no request (but an exploring one) beyond the depth whose passes paid at the
-previous step (*pass pricing*, `stopping.next_depth_cap`). `av-no-price` is survival stop
-without pass pricing (the `av` of before it); `av-cap` is pass pricing without the
-per-request tau (the batch cap alone stops drafting; an experiment). `av-no-stop` is AV
-drafting all K depths (the `av` of before survival stop). With a parallel drafter (one pass drafts all K) both are the same arm. `confstop:T` is vLLM's
-`DraftConfidenceStop`: the batch drafts depth j+1 while some request's drafts so far all
-have top-1 probability >= T, and every request verifies the same count (no budget).
+(`av_jax.policy`, through `av_jax.decider`): a request stops drafting at the depth its
+plan chose (`Arm.stop == "policy"`). `av_head` verifies by the budget rule
+(`av_jax.planner`) on the drafter's confidence-head probabilities, drafting all K.
+`confstop:T` is vLLM's `DraftConfidenceStop`: the batch drafts depth j+1 while some
+request's drafts so far all have top-1 probability >= T, and every request verifies the
+same count (no budget).
 
 `parse_arm("fixed:4")` reads an arm name with an optional draft length, the form a
 command line or a comparison lists arms in; `parse_arm("confstop:0.8")` reads the
@@ -53,11 +40,9 @@ class Arm(NamedTuple):
   head: bool           # acceptance probabilities from the drafter's confidence head
   hindsight: bool      # counts only the accepted drafts as verified (a ceiling, not lossless)
   policy: str | None   # the fixed budget policy of a non-adaptive arm; None when adaptive
-  stop: str = "none"   # drafting stop for autoregressive drafters: "none", "survival"
-                       # (survival stop, `av_jax.stopping`) or "confidence" (`confstop:T`)
+  stop: str = "none"   # drafting stop for autoregressive drafters: "none" (all K),
+                       # "policy" (the plan's depth) or "confidence" (`confstop:T`)
   threshold: float | None = None  # T of the "confidence" stop; None for the others
-  price_passes: bool = True  # survival stop also caps the batch's depth (pass pricing)
-  tau: bool = True           # survival stop also stops each request below tau
 
 
 ARMS: dict[str, Arm] = {
@@ -66,15 +51,7 @@ ARMS: dict[str, Arm] = {
     "fixed": Arm("fixed", drafts=True, adaptive=False, head=False, hindsight=False,
                  policy="fixed"),
     "av": Arm("av", drafts=True, adaptive=True, head=False, hindsight=False, policy=None,
-              stop="survival"),
-    "av-gate": Arm("av-gate", drafts=True, adaptive=True, head=False, hindsight=False,
-                   policy=None, stop="survival"),
-    "av-no-price": Arm("av-no-price", drafts=True, adaptive=True, head=False,
-                       hindsight=False, policy=None, stop="survival", price_passes=False),
-    "av-cap": Arm("av-cap", drafts=True, adaptive=True, head=False, hindsight=False,
-                  policy=None, stop="survival", tau=False),
-    "av-no-stop": Arm("av-no-stop", drafts=True, adaptive=True, head=False, hindsight=False,
-                      policy=None),
+              stop="policy"),
     "av_head": Arm("av_head", drafts=True, adaptive=True, head=True, hindsight=False,
                    policy=None),
     "confstop": Arm("confstop", drafts=True, adaptive=False, head=False, hindsight=False,

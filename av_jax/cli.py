@@ -12,10 +12,14 @@ by side), demo (main job: a short compare), bench (the studies suite).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
+import threading
 import time
 
-import jax
+_IMPORTED = time.perf_counter()  # the command's start (after `import av_jax`)
+
+import jax  # pylint: disable=wrong-import-position
 import numpy as np
 
 from av_jax import compare as C
@@ -36,24 +40,22 @@ def check_lengths(parser: argparse.ArgumentParser, args) -> None:
                  f"K = {k} drafts, the bonus token and one new token), got {max_len}")
 
 
-def _engine_args(p: argparse.ArgumentParser) -> None:
+def _engine_args(p: argparse.ArgumentParser, *, slots: int = 8, max_len: int = 512) -> None:
   p.add_argument("--models", default="default", type=model_set,
                  help="shipped model set name")
   p.add_argument("--drafter", default="eagle", choices=("draft_lm", "eagle", "block",
                                                         "block_head"))
   p.add_argument("--mode", default="av",
                  choices=("target_only", "fixed", "av", "av_head", "oracle"))
-  p.add_argument("--slots", type=at_least(1), default=8, help="B, concurrent request slots")
+  p.add_argument("--slots", type=at_least(1), default=slots, help="B, concurrent request slots")
   p.add_argument("--k", type=at_least(1), default=8, help="K, maximum draft length")
-  p.add_argument("--max-len", type=at_least(4), default=512,
+  p.add_argument("--max-len", type=at_least(4), default=max_len,
                  help="cache positions per slot (prompt + output + K + 1)")
   p.add_argument("--temperature", type=temperature, default=1.0, help="0 = greedy")
   p.add_argument("--top-p", type=top_p, default=0.95, help="nucleus mass in (0, 1]")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--steps-per-chunk", type=at_least(1), default=8,
                  help="decode steps between host syncs (streaming granularity)")
-  p.add_argument("--no-profile", action="store_true",
-                 help="skip start-up cost profiling (synthetic cost model)")
 
 
 def _status(message: str) -> None:
@@ -62,7 +64,8 @@ def _status(message: str) -> None:
   sys.stderr.flush()
 
 
-def _build(args, mode: str | None = None, *, status=lambda message: None):
+def _load(args, mode: str | None = None, *, status=lambda message: None):
+  """The model pair, the engine of `mode` (default `args.mode`) and its parameters."""
   start = time.perf_counter()
   status(f"loading model set {args.models!r} with the {args.drafter} drafter ...")
   pair = M.load(args.models, drafter=args.drafter)
@@ -73,14 +76,40 @@ def _build(args, mode: str | None = None, *, status=lambda message: None):
   engine = E.make_engine(config, pair.cfg, pair.drafter)
   params = E.Params(target=pair.target_params, drafter=pair.drafter_params)
   status(f"loaded in {time.perf_counter() - start:.1f} s")
-  cost = None
-  if not getattr(args, "no_profile", False):
-    start = time.perf_counter()
-    status(f"profiling step costs (B = {args.slots}, K = {args.k}, max_len = "
-           f"{args.max_len}) ...")
-    cost, profile = prof.profile_costs(engine, params)
-    status(f"{prof.describe_source(profile)}; {time.perf_counter() - start:.1f} s")
+  return pair, engine, params
+
+
+def _build(args, mode: str | None = None, *, status=lambda message: None):
+  """`_load`, then the engine's measured cost tables (`av_jax.engine.profile`)."""
+  pair, engine, params = _load(args, mode, status=status)
+  start = time.perf_counter()
+  status(f"profiling step costs (B = {args.slots}, K = {args.k}, max_len = "
+         f"{args.max_len}) ...")
+  cost, profile = prof.profile_costs(engine, params)
+  status(f"{prof.describe_source(profile)}; {time.perf_counter() - start:.1f} s")
   return pair, engine, params, cost
+
+
+def step_costs(args, engine, params, *, status=lambda message: None):
+  """The cost tables AV decides with, and a line saying where they came from.
+
+  "modelled" (the default, ~3 s): `av_jax.costs.roofline_costs` of the shipped model
+  shapes on this machine's measured rates (`costs.cpu_spec`), for this engine's buckets;
+  "profiled": every verify bucket and drafter program timed (`av_jax.engine.profile`,
+  minutes on a 2-core CPU, cached on disk); "synthetic": an affine stand-in
+  (`core.default_cost`), right for correctness only.
+  """
+  cfg = engine.config
+  if args.cost == "profiled":
+    status(f"profiling step costs (B = {cfg.num_slots}, K = {cfg.max_draft}, max_len = "
+           f"{cfg.max_len}) ...")
+    cost, profile = prof.profile_costs(engine, params)
+    return cost, prof.describe_source(profile)
+  if args.cost == "synthetic":
+    return None, "synthetic cost tables (an affine stand-in: --cost profiled measures them)"
+  tables = C.machine_tables(args.models, args.drafter, cfg)
+  return tables.cost, (f"cost tables {tables.label} (no profiling; --cost profiled "
+                       "measures them)")
 
 
 STATS_HELP = """\
@@ -89,123 +118,189 @@ print per-chunk statistics on stderr, each line after the text has reached a lin
 the active requests (at most active requests x K; a step that did not draft counts 0);
 verified = draft tokens actually fed to the target per step (the budget's allocation plus
 exploration); emitted/step = tokens produced per decode step (1 = no draft accepted);
-tokens/s = the chunk's emitted tokens over its wall time (compilation excluded: it runs in
-a warm-up before the timed generation)"""
+tokens/s = the chunk's emitted tokens over its wall time (compilation excluded but for
+the target-only tokens' first chunk, which includes compiling their program)"""
+
+
+class _Handover(Exception):
+  """Raised from a chunk callback: the speculative engine is ready to take over."""
+
+
+class _Stream:
+  """Writes the decoded text of request 0 as chunks arrive, with --stats lines held back
+  until the text reaches a line end."""
+
+  def __init__(self, tok, prompt_text: str, *, stats: bool, K: int, start: float):
+    self.tok, self.stats, self.K, self.start = tok, stats, K, start
+    self.tokens: list[int] = []  # generated so far (all phases)
+    self.shown = 0               # of the current phase's request
+    self.at_line_start = prompt_text == "" or prompt_text.endswith("\n")
+    self.pending: list[str] = []
+    self.first_s: float | None = None  # seconds from `start` to the first token
+    self.last = time.perf_counter()
+    sys.stdout.write(prompt_text)
+    sys.stdout.flush()
+
+  def flush_stats(self):
+    if self.pending:
+      sys.stderr.write("".join(self.pending))
+      sys.stderr.flush()
+      self.pending.clear()
+
+  def on_chunk(self, state, info):
+    length, plen = int(state.length[0]), int(state.prompt_len[0])
+    new = np.asarray(state.tokens[0, plen + self.shown:length]).tolist()
+    self.shown += len(new)
+    self.tokens += new
+    if new and self.first_s is None:
+      self.first_s = time.perf_counter() - self.start
+    text = self.tok.decode_bytes(new).decode("utf-8", errors="replace")
+    sys.stdout.write(text)
+    sys.stdout.flush()
+    if text:
+      self.at_line_start = text.endswith("\n")
+    if self.stats:
+      now = time.perf_counter()
+      emitted = int(np.sum(info.emitted))
+      # What the allocation could use: the budget is at most R x K for R active requests.
+      budget = np.minimum(np.asarray(info.budget), np.asarray(info.active) * self.K)
+      budget = np.where(np.asarray(info.drafting), budget, 0)
+      self.pending.append(
+          f"[chunk] budget={np.mean(budget):.1f} verified={np.mean(info.verified):.1f} "
+          f"emitted/step={np.mean(info.emitted):.2f} "
+          f"tokens/s={emitted / max(now - self.last, 1e-9):.1f}\n")
+      self.last = now
+      if self.at_line_start:
+        self.flush_stats()
 
 
 def cmd_generate(args) -> None:
-  pair, engine, params, cost = _build(args, status=_status)
+  """Streams a continuation of the prompt.
+
+  A speculative engine's drafting program takes the longest to compile (~20 s on a
+  2-core CPU), so a speculative mode decodes its first `--plain-tokens` tokens with the
+  target alone (a program that compiles in a few seconds) while a background thread
+  prices the steps (`step_costs`) and compiles the speculative engine, which then
+  continues from the text so far. Both sample every token from the target's
+  distribution, so the handover changes when tokens arrive, not their distribution.
+  Example: `--plain-tokens 16 --max-new 128`: 16 tokens from the target alone (the first
+  after ~5 s), then 112 from AV.
+  """
+  start = _IMPORTED
+  pair, engine, params = _load(args, status=_status)
   tok = pair.tokenizer
   prompt = tok.encode(args.prompt)
   K = engine.config.max_draft
   key = jax.random.PRNGKey(args.seed)
-  start = time.perf_counter()
-  _status("compiling the decode step (a short warm-up run) ...")
-  E.generate(engine, params, [prompt], max_new_tokens=min(2, args.max_new), key=key,
-             cost=cost)
-  compile_s = time.perf_counter() - start
-  _status(f"compiled in {compile_s:.1f} s; generating")
-  out = sys.stdout
-  out.write(args.prompt)
-  out.flush()
-  at_line_start = [args.prompt == "" or args.prompt.endswith("\n")]
-  pending: list[str] = []  # stats lines waiting for the text to reach a line end
-  shown = [0]
-  start = time.perf_counter()
-  last = [start]
+  ready = threading.Event()
+  prepared: dict = {}
+  overlap = engine.arm.drafts and args.plain_tokens > 0 and args.cost != "profiled"
 
-  def flush_stats():
-    if pending:
-      sys.stderr.write("".join(pending))
-      sys.stderr.flush()
-      pending.clear()
+  def prepare():
+    try:
+      began = time.perf_counter()
+      prepared["cost"], prepared["source"] = step_costs(args, engine, params, status=_status)
+      prepared["source"] += f"; {time.perf_counter() - began:.1f} s"
+      if not overlap:  # else said at the handover, not in the middle of the streamed text
+        _status(prepared["source"])
+      began = time.perf_counter()
+      # Compiles the engine's programs, prefill included at the length the handover
+      # prefills (the prompt and the target-only tokens).
+      handover = len(prompt) + (min(args.plain_tokens, args.max_new) if overlap else 0)
+      warm = (prompt * (handover // max(len(prompt), 1) + 1))[:handover]
+      E.generate(engine, params, [warm], max_new_tokens=min(2, args.max_new), key=key,
+                 cost=prepared["cost"])
+      prepared["compile_s"] = time.perf_counter() - began
+    except BaseException as e:  # pylint: disable=broad-except
+      prepared["error"] = e
+    ready.set()
 
-  def on_chunk(state, info):
-    length, plen = int(state.length[0]), int(state.prompt_len[0])
-    new = np.asarray(state.tokens[0, plen + shown[0]:length]).tolist()
-    text = tok.decode_bytes(new).decode("utf-8", errors="replace")
-    shown[0] += len(new)
-    out.write(text)
-    out.flush()
-    if text:
-      at_line_start[0] = text.endswith("\n")
-    if args.stats:
-      now = time.perf_counter()
-      emitted = int(np.sum(info.emitted))
-      # What the allocation could use: the budget is at most R x K for R active requests.
-      budget = np.minimum(np.asarray(info.budget), np.asarray(info.active) * K)
-      budget = np.where(np.asarray(info.drafting), budget, 0)
-      pending.append(
-          f"[chunk] budget={np.mean(budget):.1f} verified={np.mean(info.verified):.1f} "
-          f"emitted/step={np.mean(info.emitted):.2f} "
-          f"tokens/s={emitted / max(now - last[0], 1e-9):.1f}\n")
-      last[0] = now
-      if at_line_start[0]:
-        flush_stats()
+  plain_tokens = 0
+  if overlap:
+    _status(f"compiling the {args.mode} engine in the background; the first "
+            f"{args.plain_tokens} tokens come from the target alone meanwhile")
+  stream = _Stream(tok, args.prompt, stats=args.stats, K=K, start=start)
+  if overlap:
+    worker = threading.Thread(target=prepare, daemon=True)
+    plain = E.make_engine(dataclasses.replace(engine.config, mode="target_only"), pair.cfg,
+                          pair.drafter)
 
-  result = E.generate(engine, params, [prompt], max_new_tokens=args.max_new, key=key,
-                      cost=cost, on_chunk=on_chunk)
-  c = result.completions[0]
-  if c.finish_reason == "error":
-    raise SystemExit(c.error)
-  elapsed = time.perf_counter() - start
-  out.write("\n")
-  out.flush()
-  flush_stats()
-  s = result.stats
-  print(f"--- {len(c.tokens)} tokens in {elapsed:.2f} s ({len(c.tokens) / elapsed:.1f} tok/s, "
-        f"compilation excluded; {compile_s:.1f} s compiling before), {s['steps']} steps, "
-        f"{s['emitted'] / max(s['steps'], 1):.2f} tokens/step, verified {s['verified']} of "
-        f"{s['draft_tokens']} drafts, finish={c.finish_reason}", file=sys.stderr)
+    def on_plain_chunk(state, info):
+      stream.on_chunk(state, info)
+      if worker.ident is None:  # not started yet
+        # Started once the plain program runs: its compile and the rates `step_costs`
+        # measures do not share the CPU with each other.
+        worker.start()
+      if ready.is_set():
+        raise _Handover
+
+    try:
+      result = E.generate(plain, params, [prompt], max_new_tokens=min(args.plain_tokens,
+                                                                      args.max_new),
+                          key=key, on_chunk=on_plain_chunk)
+    except _Handover:
+      result = None
+    plain_tokens = len(stream.tokens)
+    if worker.ident is None:  # not started yet
+      worker.start()
+    if result is not None:  # the plain run finished first
+      c = result.completions[0]
+      if c.finish_reason == "error":
+        raise SystemExit(c.error)
+    ready.wait()
+  else:
+    _status(f"compiling the {args.mode} engine (a short warm-up run) ...")
+    prepare()
+  if "error" in prepared:
+    raise prepared["error"]
+  done = (plain_tokens >= args.max_new
+          or (stream.tokens and stream.tokens[-1] == tok.eos_id))
+  spec_start = time.perf_counter()
+  finish, s = "length", None
+  if not done:
+    if overlap:
+      if not stream.at_line_start:  # the status lines start a line of their own (stderr)
+        sys.stderr.write("\n")
+      stream.flush_stats()
+      _status(f"{prepared['source']}")
+      _status(f"{args.mode} engine ready (compiled in {prepared['compile_s']:.1f} s); "
+              f"continuing after {plain_tokens} target-only tokens")
+    else:
+      _status(f"compiled in {prepared['compile_s']:.1f} s; generating")
+    stream.shown = 0
+    stream.last = time.perf_counter()  # chunk rates exclude the wait for the compile
+    result = E.generate(engine, params, [prompt + stream.tokens],
+                        max_new_tokens=args.max_new - plain_tokens,
+                        key=jax.random.fold_in(key, 1), cost=prepared["cost"],
+                        on_chunk=stream.on_chunk)
+    c = result.completions[0]
+    if c.finish_reason == "error":
+      raise SystemExit(c.error)
+    finish, s = c.finish_reason, result.stats
+  elapsed = time.perf_counter() - spec_start
+  sys.stdout.write("\n")
+  sys.stdout.flush()
+  stream.flush_stats()
+  first = "none" if stream.first_s is None else f"{stream.first_s:.1f} s"
+  line = (f"--- first tokens {first} after the command started; {len(stream.tokens)} tokens "
+          f"({plain_tokens} target-only while compiling)")
+  if s is not None:
+    spec = len(stream.tokens) - plain_tokens
+    line += (f"; {args.mode}: {spec} tokens in {elapsed:.2f} s ({spec / elapsed:.1f} tok/s), "
+             f"{s['steps']} steps, {s['emitted'] / max(s['steps'], 1):.2f} tokens/step, "
+             f"verified {s['verified']} of {s['draft_tokens']} drafts, finish={finish}")
+  print(line, file=sys.stderr)
 
 
 def cmd_profile(args) -> None:
-  args.no_profile = True
-  _, engine, params, _ = _build(args)
+  _, engine, params = _load(args)
   _, profile = prof.profile_costs(engine, params, refresh=args.refresh)
   print(prof.format_profile(profile))
 
 
-# The demo's concurrencies: a low one, where speculation pays on this CPU, and a high one,
-# where the target is compute-bound and it does not (`--concurrency`; `--slots N` alone: N).
-DEMO_CONCURRENCY = "1,32"
-
-
 def cmd_demo(args) -> None:
-  """The main job: a short preset of `compare` (the demo's flags mapped onto it)."""
-  start = time.perf_counter()
-  text = args.concurrency or (str(args.slots) if args.slots else DEMO_CONCURRENCY)
-  concurrency = C._int_list("concurrency", text)  # pylint: disable=protected-access
-  print(f"av_jax demo = av-jax compare --drafter {args.drafter} --workload {args.workload} "
-        f"--concurrency {','.join(map(str, concurrency))} --arms {args.arms} --repeats {args.repeats} "
-        f"--clock {args.clock} (models={args.models}, K={args.k}, {args.requests} requests x "
-        f"{args.max_new} tokens, device={jax.devices()[0].device_kind})", flush=True)
-  result = C.compare(drafters=args.drafter, workloads=args.workload, concurrency=concurrency,
-                     arms=args.arms, repeats=args.repeats, clock=args.clock,
-                     models=args.models, max_draft=args.k, max_new=args.max_new,
-                     prompt_len=args.prompt_len,
-                     requests_per_slot=max(1, args.requests // max(concurrency)),
-                     temperature=args.temperature, top_p=args.top_p, seed=args.seed,
-                     log=lambda line: print(line, flush=True) if not line.startswith(
-                         "  compiled") else None)
-  if args.json:
-    C.write_json(args.json, result)
-  print(f"done in {time.perf_counter() - start:.1f} s"
-        + (f"; JSON in {args.json}" if args.json else ""))
-
-
-def _demo_preset_args(p: argparse.ArgumentParser) -> None:
-  """The compare flags of the demo preset beyond the demo's own."""
-  p.add_argument("--arms", type=_arms_type, default="target_only,fixed:8,av",
-                 help="comma-separated arms (av-jax compare --arms)")
-  p.add_argument("--clock", type=_clock_type, default="wall",
-                 help="wall, DEVICE:SHAPE (e.g. h200:llama3-8b) or a cost-table .json")
-  p.add_argument("--json", default=None, help="also write compare's JSON here")
-  p.add_argument("--concurrency", type=_positive_ints, default=None,
-                 help=f"comma-separated concurrencies (default {DEMO_CONCURRENCY}, or --slots "
-                      "alone): the low one shows speculation paying, the high one where the "
-                      "target is compute-bound and it does not")
-  p.set_defaults(slots=None)  # --slots N alone runs concurrency N
+  """The main job (`av_jax.engine.demo`)."""
+  demo.main(args)
 
 
 def _checked(parse):
@@ -265,7 +360,7 @@ def _compare_args(p: argparse.ArgumentParser) -> None:
   p.add_argument("--warm-start", action="store_true",
                  help="fit the estimator on a warm-up run first; runs continue from it")
   p.add_argument("--drafter-backlog", type=_positive_int, default=None,
-                 help="pending tokens a gated-off autoregressive drafter keeps before "
+                 help="pending tokens an autoregressive drafter that skips drafting keeps before "
                       "absorbing them (default 4 (K + 1); 1: the eager catch-up, K + 1)")
   p.add_argument("--steps-per-chunk", type=_positive_int, default=8,
                  help="decode steps between host syncs; a freed slot is refilled only "
@@ -302,8 +397,15 @@ def main(argv=None) -> None:
   g = sub.add_parser("generate", help="generate text, streaming, with per-step statistics",
                      description="Streams the continuation of --prompt to stdout; status "
                      "lines (loading, profiling, compiling) and --stats go to stderr.")
-  _engine_args(g)
+  _engine_args(g, slots=1, max_len=256)
   g.add_argument("--prompt", required=True)
+  g.add_argument("--cost", default="modelled", choices=("modelled", "profiled", "synthetic"),
+                 help="step-cost tables AV decides with: modelled (the roofline of the "
+                      "shipped shapes on this machine's measured rates, ~3 s), profiled "
+                      "(timed, minutes, cached on disk) or synthetic")
+  g.add_argument("--plain-tokens", type=int, default=16,
+                 help="tokens decoded by the target alone while the speculative engine "
+                      "compiles (0: wait for it; ignored with --cost profiled)")
   g.add_argument("--max-new", type=at_least(1), default=128)
   g.add_argument("--stats", action="store_true", help=STATS_HELP)
   g.set_defaults(func=cmd_generate)
@@ -314,10 +416,9 @@ def main(argv=None) -> None:
   c = sub.add_parser("compare", help="any arms side by side, wall or modelled clock, JSON")
   _compare_args(c)
   c.set_defaults(func=cmd_compare)
-  d = sub.add_parser("demo", help="AV against fixed K on the shipped models (main job: a "
-                                  "short av-jax compare)")
+  d = sub.add_parser("demo", help="main job: AV against the target alone and fixed K, "
+                                  "low and high concurrency, modelled and wall clock")
   demo.add_args(d)
-  _demo_preset_args(d)
   d.set_defaults(func=cmd_demo)
   b = sub.add_parser("bench", help="the studies suite: report, plots, JSON in reports/")
   studies.add_args(b)

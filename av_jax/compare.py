@@ -176,6 +176,17 @@ def parse_clock(text: str, *, context_len: int = DEFAULT_CONTEXT) -> ClockSpec:
   return ClockSpec("roofline", device=device, shape=shape, context_len=context_len)
 
 
+def machine_tables(models: str, drafter_kind: str, config) -> costs.CostTables:
+  """Modelled tables of the shipped model set `models` on this machine: the roofline of
+  its shapes (`costs.shipped_shapes`) on the rates `costs.cpu_spec` measures (~3 s, once
+  per process), for an engine `config`'s slots, K, cache length and buckets. What AV
+  plans with where no profile has been measured."""
+  return costs.roofline_costs(models, f"{models}-{drafter_kind}", "cpu",
+                              drafter_kind=drafter_kind, num_slots=config.num_slots,
+                              max_draft=config.max_draft, context_len=config.max_len,
+                              buckets=config.bucket_sizes(), implementation="av_jax")
+
+
 def drafter_shape(target: str, kind: str) -> str:
   """The drafter cost shape a deployment of `target` runs for drafter `kind`."""
   if target in DEPLOYMENT_DRAFTERS:
@@ -242,7 +253,8 @@ class Runner:
                refit_interval: int, steps_per_chunk: int = 8, seed: int = 0,
                clock: ClockSpec = ClockSpec("wall"), warm_start: bool = False,
                log: Callable[[str], None] = print, compiled: dict | None = None,
-               drafter_backlog: int | None = None, num_buckets: int | None = None):
+               drafter_backlog: int | None = None, num_buckets: int | None = None,
+               wall_cost: Callable | None = None):
     # compiled: {(drafter kind, slots, arm): engine} shared with another runner (a sweep
     # on another clock), so an engine is built and compiled once for both.
     # warm_start: every run of an adaptive arm continues from the idle state the arm's
@@ -260,6 +272,9 @@ class Runner:
     self._engines: dict = {}
     self._profiles: dict = {}
     self.compiled = {} if compiled is None else compiled
+    # wall_cost(pair, engine) -> CostModel: the tables AV plans with on the wall clock
+    # instead of profiling them (e.g. `machine_tables`); None: profiled.
+    self.wall_cost = wall_cost
 
   def _config(self, slots: int, arm: ArmSpec) -> E.EngineConfig:
     return E.EngineConfig(num_slots=slots, max_draft=arm.k, max_len=self.max_len,
@@ -289,12 +304,13 @@ class Runner:
       params = E.Params(target=pair.target_params, drafter=pair.drafter_params)
       start = time.perf_counter()
       cost = self.tables(pair, slots, arm)
+      if cost is None and self.wall_cost is not None and get_arm(arm.mode).adaptive:
+        cost = self.wall_cost(pair, engine)
       if cost is None and (get_arm(arm.mode).adaptive or arm.mode == "oracle"):
-        # The oracle is charged with the tables AV plans against (same buckets), and AV
-        # without survival stop plans with them: the tables price the hardware (verify
-        # buckets, drafter passes per depth), not the policy, so one profile (cached on
-        # disk by the AV engine's config) serves the three arms.
-        shared = arm.mode in ("oracle", "av-gate", "av-no-stop", "av-no-price", "av-cap")
+        # The oracle is charged with the tables AV plans against (same buckets): the
+        # tables price the hardware (verify buckets, drafter passes per depth), not the
+        # policy, so one profile (cached on disk by the AV engine's config) serves both.
+        shared = arm.mode == "oracle"
         av_engine = engine if not shared else E.make_engine(
             dataclasses.replace(config, mode="av"), pair.cfg, pair.drafter)
         cost, profile = prof.profile_costs(av_engine, params)
@@ -539,7 +555,8 @@ def compare(*, drafters: str | Sequence[str] = "block", workloads: str | Sequenc
             drafter_backlog: int | None = None, num_buckets: int | None = None,
             pairs: Mapping[str, object] | None = None,
             prompts: Callable[..., list[list[int]]] | None = None,
-            log: Callable[[str], None] = print) -> dict:
+            log: Callable[[str], None] = print, compiled: dict | None = None,
+            wall_cost: Callable | None = None) -> dict:
   """Runs the arms side by side; returns `{"settings": {...}, "results": [records]}`.
 
   Args:
@@ -573,6 +590,10 @@ def compare(*, drafters: str | Sequence[str] = "block", workloads: str | Sequenc
     prompts: `prompts(pair, workload, num=, length=, seed=)` instead of the held-out
       workload prompts (tests).
     log: progress lines.
+    compiled: `{(drafter kind, slots, arm): engine}` shared with another comparison (the
+      same arms on another clock), so each engine compiles once.
+    wall_cost: `wall_cost(pair, engine) -> CostModel`, the tables AV plans with on the
+      wall clock (None: profiled, `av_jax.engine.profile`).
 
   Raises:
     ValueError: naming the argument, for unknown arms, workloads, drafters, clocks or
@@ -599,7 +620,8 @@ def compare(*, drafters: str | Sequence[str] = "block", workloads: str | Sequenc
   runner = Runner(temperature=temperature, top_p=top_p, max_len=max_len,
                   refit_interval=refit_interval, steps_per_chunk=steps_per_chunk, seed=seed,
                   clock=spec, warm_start=warm_start, log=log,
-                  drafter_backlog=drafter_backlog, num_buckets=num_buckets)
+                  drafter_backlog=drafter_backlog, num_buckets=num_buckets,
+                  compiled=compiled, wall_cost=wall_cost)
   runner.warm_tokens = max_new
   rows = []
   for slots in slots_list:

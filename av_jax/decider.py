@@ -85,6 +85,16 @@ class PolicyDecider:
   head: bool = False
 
   @property
+  def gated(self) -> bool:
+    """Rows may be left out of drafting (the engine gathers the drafting rows)."""
+    return self.planner.gated
+
+  @property
+  def stop(self) -> str:
+    """Requests stop drafting at their planned depth."""
+    return self.planner.stop
+
+  @property
   def estimator(self):
     return self.policy.estimator
 

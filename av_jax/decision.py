@@ -5,12 +5,12 @@
                                sound=sound, drafting=drafting)
     state = decider.learn(state, features, accepted, labeled)      # labels -> estimator
 
-and `decider.draft_slots(state, active)`, the skip-drafting gate read before drafting
-(`decider.drafts(state)` is its batch view). The engine step
+and `decider.draft_slots(state, active)`, the slots that draft (every active slot:
+this decider drafts all of them; `av_jax.decider.PolicyDecider`, the `av` arm's,
+chooses). The engine step of the static arms and `av_head`
 (`av_jax.engine.core.step`), the synthetic simulator (`av_jax.simulate.run`), the
 one-call `decision_step` and the overhead benchmark (`benchmarks/overhead.py`) all run
-these verbs of a `Decider` built by `make_decider`; nothing else composes an estimator
-and a planner. What differs between arms is an argument, not a code path: the
+these verbs of a `Decider` built by `make_decider`. What differs between arms is an argument, not a code path: the
 confidence head (`conf`, used when the decider was built with `head=True`), slots whose
 draft logits were not finite (`sound`), a step that did not draft (`drafting`).
 
@@ -43,7 +43,7 @@ from av_jax.selection import CostModel
 class DecisionState(NamedTuple):
   """Everything the per-step decision carries from one step to the next (a pytree)."""
   estimator: EstimatorState  # the online estimator's coefficients and round statistics
-  planner: PlannerState      # lagged budget, step counter, whether drafting pays
+  planner: PlannerState      # lagged budget and step counter
   # [B, K] float32, the last step's features awaiting their labels (`decision_step`);
   # None in the engine, which learns within the step that drafted.
   features: jax.Array | None = None
@@ -53,8 +53,14 @@ class Decider(NamedTuple):
   """The decision's verbs for fixed hyper-parameters (hashable, jit-static); see
   `make_decider`."""
   estimator: OnlineEstimator  # the online acceptance estimator
-  planner: Planner            # the verification planner (policy, exploration, gate)
+  planner: Planner            # the verification planner (policy, exploration)
   head: bool                  # scores are the drafter's confidence-head probabilities
+  gated = False               # every active slot drafts (the engine's static view)
+
+  @property
+  def stop(self) -> str:
+    """The drafting stop: "none" (all K) or "confidence" (`confstop:T`)."""
+    return self.planner.stop
 
   @property
   def num_positions(self) -> int:
@@ -62,10 +68,8 @@ class Decider(NamedTuple):
     return self.estimator.num_positions
 
   def init(self, batch_size: int | None = None) -> DecisionState:
-    """A fresh state; with `batch_size` B, a planner state with per-slot gate verdicts
-    (`PlannerState.slot_pays [B]`), zero `[B, K]` features for `decision_step` and every
-    leaf its own buffer (so the state can be donated). Without it the gate is one
-    verdict for the whole batch."""
+    """A fresh state; with `batch_size` B, zero `[B, K]` features for `decision_step`
+    and every leaf its own buffer (so the state can be donated)."""
     state = DecisionState(estimator=self.estimator.init(),
                           planner=self.planner.init(batch_size))
     if batch_size is None:
@@ -74,15 +78,30 @@ class Decider(NamedTuple):
         features=jnp.zeros((batch_size, self.num_positions), jnp.float32))
     return jax.tree.map(jnp.copy, state)
 
+  def prepare(self, state: DecisionState, active: jax.typing.ArrayLike,
+              cost: CostModel) -> DecisionState:
+    """The step's plan before drafting: nothing to fix here (every active slot drafts
+    all K and the budget is chosen in `plan`)."""
+    del active, cost
+    return state
+
+  def admit(self, planner: PlannerState, slot: jax.typing.ArrayLike) -> PlannerState:
+    """A new request in `slot`: nothing per request to reset."""
+    del slot
+    return planner
+
   def draft_slots(self, state: DecisionState, active: jax.typing.ArrayLike) -> jax.Array:
-    """`[B] bool`: which slots draft this step (`active`, unless the planner is gated:
-    then the active slots whose drafts paid at their last drafting step, plus a re-check
-    step's round-robin group; see `make_planner`). Reads earlier steps only."""
-    return self.planner.draft_slots(state.planner, active)
+    """`[B] bool`: which slots draft this step: every active one."""
+    del state
+    active = jnp.asarray(active)
+    _checks.rank("active", active, 1, "B")
+    _checks.boolean("active", active)
+    return active
 
   def drafts(self, state: DecisionState) -> jax.Array:
-    """`[] bool`, the batch view of `draft_slots`: whether any slot drafts this step."""
-    return self.planner.should_draft(state.planner)
+    """`[] bool`, the batch view of `draft_slots`: always True."""
+    del state
+    return jnp.asarray(True)
 
   def score(self, state: DecisionState, features: jax.typing.ArrayLike, *,
             conf: jax.typing.ArrayLike | None = None) -> jax.Array:
@@ -107,20 +126,19 @@ class Decider(NamedTuple):
                     top1: jax.typing.ArrayLike | None = None,
                     slots: jax.typing.ArrayLike | None = None) -> jax.Array:
     """`[B] bool`: whether each request drafts depth `depth + 1` (the planner's drafting
-    stop, `PlannerConfig.draft_stop`; docs/algorithm.md section 10).
+    stop, `PlannerConfig.draft_stop`: all K, or the confidence stop).
 
     Reads depths 1..`depth` of its inputs only, so the drafting loop can call it after
     each depth with buffers whose deeper entries are not drafted yet.
 
     Args:
-      state: the decision state (survival stop's threshold lives in `state.planner`).
+      state: the decision state.
       probs: `[B, K]` acceptance probabilities (`score`) of the depths drafted so far.
       drafted: `[B, K]` bool, positions drafted so far (a prefix per slot).
       depth: int scalar, depths drafted so far (traced).
       active: `[B]` bool, slots decoding (and sound) this step.
       top1: `[B, K]` top-1 probability of each draft distribution (confidence stop).
-      slots: `[E] int32`, the slot of each row when the rows are a gathered subset of E
-        drafting slots (then `active` is those rows'); None: row b is slot b.
+      slots: `[E] int32`, the slot of each row when the rows are a gathered subset.
     """
     return self.planner.keep_drafting(state.planner, probs, drafted, depth, active=active,
                                       top1=top1, slots=slots)
@@ -131,7 +149,7 @@ class Decider(NamedTuple):
            drafting: jax.typing.ArrayLike = True,
            drafted: jax.typing.ArrayLike | None = None,
            top1: jax.typing.ArrayLike | None = None) -> tuple[Plan, DecisionState]:
-    """What to verify this step: survival, budget, allocation, exploration, gate.
+    """What to verify this step: survival, budget, allocation, exploration.
 
     Args:
       state: the decision state.
@@ -142,12 +160,11 @@ class Decider(NamedTuple):
         this step (a target-only step for them). All when None.
       drafting: `[] bool` (every slot) or `[B] bool` (per slot, normally
         `draft_slots`'s answer), which slots drafted this step; a slot that did not
-        verifies nothing, and a step on which none did leaves the lagged budget, tau and
-        the gate as they were.
+        verifies nothing, and a step on which none did leaves the lagged budget as it
+        was.
       drafted: `[B, K]` bool, positions drafted (a prefix per slot; a drafting stop or a
         non-finite position ends it); None: all. Only drafted positions are ranked,
-        allocated and verified, and the next budget and survival stop's threshold are
-        computed over them.
+        allocated and verified, and the next budget is computed over them.
       top1: `[B, K]` top-1 draft probabilities (required by the confidence stop).
 
     Returns:
@@ -162,9 +179,7 @@ class Decider(NamedTuple):
             accepted: jax.typing.ArrayLike, labeled: jax.typing.ArrayLike, *,
             axis_name: str | None = None) -> DecisionState:
     """Adds the labels verification produced to the estimator (refitting when a round
-    ends), and gives them to the gate's outcome check (`Planner.observe`: a slot the
-    last plan judged closed on its predicted gain reopens where its accepted drafts say
-    drafting pays).
+    ends).
 
     Args:
       state: the decision state.
@@ -174,11 +189,8 @@ class Decider(NamedTuple):
         first rejected one; docs/algorithm.md section 6).
       axis_name: mesh axis over which data-parallel replicas sum the round's statistics.
     """
-    planner = state.planner
-    if self.planner.observe is not None and planner is not None:
-      planner = self.planner.observe(planner, accepted, labeled)
     return state._replace(estimator=self.estimator.update(
-        state.estimator, features, accepted, labeled, axis_name=axis_name), planner=planner)
+        state.estimator, features, accepted, labeled, axis_name=axis_name))
 
 
 def make_decider(num_positions: int, *, policy: str, head: bool = False,

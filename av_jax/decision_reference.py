@@ -36,7 +36,7 @@ class DecisionConfig:
   verify_ms: tuple[float, ...]    # [T_max + 1] verification cost by verified tokens
   policy: str = "current"         # planner budget policy (see av_jax.planner)
   estimator: EstimatorConfig = EstimatorConfig()  # estimator hyper-parameters
-  planner: PlannerConfig = PlannerConfig()        # planner hyper-parameters (no gate)
+  planner: PlannerConfig = PlannerConfig()        # planner hyper-parameters
   temperature: float = 1.0        # drafting temperature (top-p is not modelled here)
 
   def decider(self) -> Decider:
@@ -90,18 +90,6 @@ class NumpyDecision:
     state["estimator.num_refits"] = np.zeros((), np.int32)
     state["planner.budget"] = np.asarray(_ALL, np.int32)
     state["planner.step"] = np.zeros((), np.int32)
-    state["planner.drafting_pays"] = np.asarray(True)  # the decision always drafts
-    state["planner.tau"] = np.zeros((), _F32)  # survival stop's threshold: no stop here
-    # The skip-drafting gate's fields, constant here (the decision is not gated).
-    every = self.config.planner.recheck_every or 4 * max(self.config.planner.explore_every, 1)
-    state["planner.slot_pays"] = np.ones((batch_size,), bool)
-    state["planner.recheck_interval"] = np.asarray(every, np.int32)
-    state["planner.next_recheck"] = np.asarray(every, np.int32)
-    state["planner.recheck_count"] = np.zeros((), np.int32)
-    state["planner.pay_margin"] = np.full((batch_size,), np.inf, _F32)  # never judged
-    state["planner.depth_cap"] = np.zeros((), np.int32)  # survival stop's depth cap: none
-    state["planner.check_depth"] = np.zeros((batch_size,), np.int32)  # outcome check: none
-    state["planner.check_extra"] = np.zeros((batch_size,), _F32)
     state["features"] = np.zeros((batch_size, self.config.num_positions), _F32)
     return state
 

@@ -1,7 +1,7 @@
-"""The cost of a gated-off AV step against a target-only step (issue 14, "AV never loses").
+"""The cost of a quiet AV step (its plan drafts for no slot) against a target-only step.
 
 For each drafter and concurrency, times side by side in one process a target-only
-engine chunk and an AV chunk with every slot gated off (no slot drafts; autoregressive
+engine chunk and an AV chunk in which no slot drafts (autoregressive
 drafters catch up), repeats interleaved, and prints / writes the median ratio and its
 range. Goal: <= 1.05 at every concurrency. Logic: `av_jax.engine.gate_cost`. A chunk is
 the AV engine's backlog of steps by default (one absorb of a full backlog per slot);

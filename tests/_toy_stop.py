@@ -1,4 +1,5 @@
-"""Exact-enumeration harness for early stop of autoregressive drafting (float64 NumPy).
+"""Exact-enumeration harness for the drafting decisions of autoregressive drafters
+(float64 NumPy with the shipped decision functions).
 
 A toy is B requests, each with an autoregressive drafter given as tables
 q1, q2(x1), q3(x1, x2) (lazily random, keyed by the request, its context and the tokens
@@ -9,35 +10,32 @@ drafted this step), a target table p(prefix), an estimator with fixed coefficien
 One step is enumerated exactly:
 
 * every joint draft outcome of all K depths is listed with its probability (depths a
-  request does not draft are marginalised out: the stopping rule never reads them);
-* the drafted depth and the verified count come from the shipped `av_jax.stopping`
-  functions, evaluated for all outcomes at once with `jax.vmap` (`decide`);
+  request does not draft are marginalised out: no rule here reads them);
+* the drafted depth and the verified count come from the shipped functions
+  (`av_jax.policy.choose`, `av_jax.stopping.confidence_stop`), evaluated for all outcomes
+  at once with `jax.vmap` (`decide`);
 * verification is analytic (spec section 6): accept x_i with min(1, p/q), at the first
   rejection one token from norm(max(0, p - q)), after m accepted one token from p;
-* the state the step leaves (the next lagged budget, the optimal budget over the drafted
-  prefixes, and the next threshold `stopping.threshold`) is used at the next step,
-  enumerated from the new context (`emitted_law`, one request), or the missing tokens
-  are filled from the target (`step_laws`, several requests sharing the budget: this
-  checks every position a step emits).
+* the plan the step leaves for the next one is used at the next step, enumerated from
+  the new context (`emitted_law`, one request), or the missing tokens are filled from the
+  target (`step_laws`, several requests: this checks every position a step emits).
 
-Arms (`arm=`): "stop" (survival stop, tau and the batch depth cap from earlier steps),
-"confstop" (vLLM's DraftConfidenceStop, fixed verification of what was drafted), and two
-negative controls: "tau_now" (tau from THIS step's budget and survivals: the step drafts
-all K, then keeps the prefix whose survival clears margin x the smallest survival this
-step's own budget admits; draw-dependent, hence biased) and "cap_now" (pass pricing's
-depth cap from THIS step: draft all K, then cut every request at the depth
-`stopping.optimal_depth` finds for this step's own survivals).
-
-Pass pricing (`price=True`): the step's depth cap is `StepState.cap` and the next state's
-cap is `stopping.next_depth_cap` of the step, priced with `cost_model(toy)` (the toy's
-step cost split into a drafter part, `draft_share` of `step_cost[0]`, and the rest);
-`explore_cap` bounds how deep an exploring request drafts (0: all K).
+Arms (`arm=`):
+* "policy": AV's priced plan for a sampled autoregressive drafter. Each request drafts
+  and verifies the n positions the plan chose before the step (`StepState.plan`); the
+  next step's plan is `policy.choose` (drafting priced, passes shared) over the
+  survivals this step drafted (deeper depths at the deepest drafted survival; depth 1's,
+  which reads the context only, where nothing was drafted), so it reads this step's
+  draws only at the next step.
+* "confstop": vLLM's DraftConfidenceStop, fixed verification of what was drafted.
+* "choose_now" (negative control): draft all K, then verify what `policy.choose` picks
+  from THIS step's survivals (the post-draft choice, exact for parallel drafters and
+  greedy drafting only): whether x_i is verified depends on x_i itself, hence biased.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 from typing import NamedTuple
 
@@ -45,11 +43,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from av_jax import policy as P
 from av_jax import stopping
-from av_jax.selection import CostModel
-
-ALL = 2**30   # a lagged budget that admits everything (the first step)
-
 
 class Table:
   """A conditional table: key -> distribution over V, explicit entries or lazily random."""
@@ -80,10 +75,8 @@ class Toy:
 
 
 class StepState(NamedTuple):
-  tau: float      # survival threshold from earlier steps (0 = none)
-  budget: int     # lagged budget from the previous step
-  step: int       # step counter (drives round-robin exploration)
-  cap: int = 0    # batch depth cap from earlier steps (pass pricing; 0 = none)
+  plan: tuple     # [B] ints, positions each request drafts and verifies this step
+  step: int = 1   # step counter
 
 
 def cost_model(toy, draft_share: float = 0.4) -> tuple[np.ndarray, np.ndarray]:
@@ -94,14 +87,16 @@ def cost_model(toy, draft_share: float = 0.4) -> tuple[np.ndarray, np.ndarray]:
   return np.full(toy.B + 1, draft), verify
 
 
-FIRST = StepState(tau=0.0, budget=ALL, step=1)
+def step_cost(toy, draft_share: float = 0.4) -> P.StepCost:
+  """The toy's prices as `policy.StepCost`: each of the K passes a K-th of the drafter."""
+  draft_ms, verify_ms = cost_model(toy, draft_share)
+  depth = np.tile((draft_ms / toy.K)[:, None], (1, toy.K))
+  return P.StepCost(jnp.asarray(depth, jnp.float32), jnp.asarray(verify_ms, jnp.float32))
 
 
-def exploring_slots(B: int, step: int, explore_every: int) -> np.ndarray:
-  """[B] bool: the planner's round-robin exploration, from the step counter only."""
-  if explore_every <= 0 or step % explore_every:
-    return np.zeros(B, bool)
-  return np.arange(B) == (step // explore_every) % B
+def first(toy) -> StepState:
+  """The first step's plan: every request drafts and verifies all K."""
+  return StepState(plan=(toy.K,) * toy.B)
 
 
 def estimator_probs(toy: Toy, q: np.ndarray) -> np.ndarray:
@@ -131,61 +126,41 @@ def joint_outcomes(toy: Toy, contexts):
   return drafts, probs, qs
 
 
-def _optimal_budget(ranked: jax.Array, step_cost: jax.Array, R: int) -> jax.Array:
-  """argmax_n (R + s_(1..n)) / step_cost[n] over the drafted survivals (-1 = not drafted)."""
-  s = jnp.sort(ranked.reshape(-1))[::-1]
-  n = jnp.arange(s.shape[0] + 1)
-  expected = R + jnp.concatenate([jnp.zeros(1), jnp.cumsum(jnp.maximum(s, 0.0))])
-  valid = n <= jnp.sum(ranked >= 0)
-  return jnp.argmax(jnp.where(valid, expected / step_cost, -jnp.inf)).astype(jnp.int32)
+ARMS = ("policy", "confstop", "choose_now")
 
 
-def _ranked(surv, depth):
-  K = surv.shape[1]
-  return jnp.where(jnp.arange(K)[None] < depth[:, None], surv, -1.0)
+@jax.jit
+def decide(surv, top1, plan, arm, conf, cost):
+  """Drafted depth [N, B], verified count [N, B] and the next plan [N, B] per outcome.
 
-
-ARMS = ("stop", "confstop", "tau_now", "cap_now")
-
-
-@functools.partial(jax.jit, static_argnames=("min_depth", "price", "fill"))
-def decide(surv, top1, tau, budget, exploring, step_cost, arm, margin, prune, conf, cap,
-           cost, explore_cap, *, min_depth=1, price=False, fill=True):
-  """Drafted depth [N, B], verified count [N, B], next tau [N] and budget [N] per outcome.
-
-  surv: [N, B, K] survivals of all K depths; top1: [N, B, K] q_max; tau, budget: the
-  state from earlier steps; exploring: [B] bool; arm: index into ARMS. Everything but
-  `min_depth`, `price` and `fill` is traced, so one program per shape serves every arm and option (the
-  prune is off by giving `outranked` a budget that admits everything, which stops
-  nothing).
+  surv: [N, B, K] survivals of all K depths; top1: [N, B, K] q_max; plan: [B] int32, the
+  plan from earlier steps; arm: index into ARMS. Everything is traced, so one program
+  per shape serves every arm.
   """
   N, B, K = surv.shape
+  every = jnp.ones((B, K), bool)
+  none = jnp.zeros((B, K), bool)
+  active = jnp.ones((B,), bool)
 
   def one(s, t1):
-    full = jnp.full((B,), K)
-    # survival stop: tau from earlier steps.
-    depth_stop = stopping.drafted_depth(s, tau, exploring, min_depth=min_depth,
-                                        budget=jnp.where(prune, budget, ALL), cap=cap,
-                                        explore_cap=explore_cap)
-    # Negative control: this step's own budget over all K depths, then its threshold.
-    own = _optimal_budget(_ranked(s, full), step_cost, B)
-    tau_now = stopping.threshold(s, jnp.ones((B, K), bool), own, margin=margin)
-    depth_now = stopping.drafted_depth(s, tau_now, exploring, min_depth=min_depth)
-    depth = jnp.where(arm == 0, depth_stop, depth_now)
-    # Negative control: the depth cap this step's own survivals call for.
-    cap_now = stopping.optimal_depth(s, jnp.ones((B, K), bool), cost)
-    depth = jnp.where(arm == 3, stopping.drafted_depth(s, 0.0, exploring, cap=cap_now), depth)
-    verified = stopping.verified_count(s, depth, budget, exploring=exploring)
+    # policy: the plan from earlier steps.
+    depth, verified = plan, plan
     # confstop: fixed verification of what the round drafted.
     conf_out = stopping.confidence_stop(t1, conf)
     depth = jnp.where(arm == 1, conf_out.depths_run, depth)
     verified = jnp.where(arm == 1, conf_out.num_verified, verified)
+    # Negative control: all K drafted, then this step's own choice.
+    now = P.choose(s, eligible=every, forced=none, active=active, cost=cost,
+                   sunk_ms=cost.draft(jnp.full((K,), B, jnp.int32)), price_drafting=False)
+    depth = jnp.where(arm == 2, K, depth)
+    verified = jnp.where(arm == 2, now.num, verified)
+    # The next plan, from the survivals this step drafted.
     drafted = jnp.arange(K)[None] < depth[:, None]
-    # The next state, as the planner computes it (`stopping.plan_next`: undrafted depths
-    # extrapolated unless `fill` is off, the cap priced with `price`).
-    nxt = stopping.plan_next(stopping.StopState(tau=tau, cap=cap), s, drafted, cost,
-                             margin=margin, num_drafting=B, price=price, fill=fill)
-    return depth, verified, nxt.stop.tau, nxt.budget, nxt.stop.cap
+    deepest = jnp.take_along_axis(s, jnp.clip(depth - 1, 0, K - 1)[:, None], axis=1)
+    seen = jnp.where(drafted, s, jnp.where(depth[:, None] > 0, deepest, s[:, :1]))
+    nxt = P.choose(seen, eligible=every, forced=none, active=active, cost=cost,
+                   shared_passes=True)
+    return depth, verified, nxt.num
 
   return jax.vmap(one)(surv, top1)
 
@@ -210,25 +185,16 @@ def verification_outcomes(toy: Toy, b: int, context: tuple, drafts, qs, m):
   return out
 
 
-def step(toy: Toy, contexts, state: StepState, *, arm, explore_every=0, margin=0.5,
-         prune=False, conf=0.5, min_depth=1, price=False, draft_share=0.4, explore_cap=0,
-         fill=True):
-  """Enumerated outcomes of one step: per outcome (probability, depth [B], verified [B],
-  next state) and the draft arrays. With `price`, the step drafts under `state.cap` and
-  the next caps are priced; without, no cap (the next caps returned are 0)."""
+def step(toy: Toy, contexts, state: StepState, *, arm, conf=0.5, draft_share=0.4):
+  """Enumerated outcomes of one step: per outcome the depth [B], verified [B] and next
+  plan [B], and the draft arrays."""
   drafts, probs, qs = joint_outcomes(toy, contexts)
   surv = np.cumprod(estimator_probs(toy, qs), axis=-1)
-  exploring = exploring_slots(toy.B, state.step, explore_every)
-  draft_ms, verify_ms = cost_model(toy, draft_share)
-  cost = CostModel(jnp.asarray(draft_ms, jnp.float32), jnp.asarray(verify_ms, jnp.float32))
-  depth, verified, next_tau, next_budget, next_cap = map(np.asarray, decide(
+  depth, verified, next_plan = map(np.asarray, decide(
       jnp.asarray(surv, jnp.float32), jnp.asarray(qs.max(-1), jnp.float32),
-      jnp.float32(state.tau), jnp.int32(min(state.budget, ALL)), jnp.asarray(exploring),
-      jnp.asarray(toy.step_cost, jnp.float32), jnp.int32(ARMS.index(arm)),
-      jnp.float32(margin), jnp.asarray(prune), jnp.float32(conf),
-      jnp.int32(state.cap if price else 0), cost, jnp.int32(explore_cap),
-      min_depth=min_depth, price=price, fill=fill))
-  return drafts, probs, qs, depth, verified, next_tau, next_budget, next_cap
+      jnp.asarray(state.plan, jnp.int32), jnp.int32(ARMS.index(arm)), jnp.float32(conf),
+      step_cost(toy, draft_share)))
+  return drafts, probs, qs, depth, verified, next_plan
 
 
 def _fill(toy: Toy, b: int, tokens: tuple, L: int) -> np.ndarray:
@@ -253,14 +219,12 @@ def _fill_uncached(toy: Toy, b: int, tokens: tuple, L: int) -> np.ndarray:
   return law
 
 
-def step_laws(toy: Toy, state: StepState, L: int, *, arm, explore_every=0, joint=False,
-              **options):
+def step_laws(toy: Toy, state: StepState, L: int, *, arm, joint=False, **options):
   """Per-request law [V]*L of the first L tokens after one enumerated step from the empty
   context, with tokens the step does not emit filled from the target; with `joint`, also
   the joint law [V]*(L*B) of all requests. Returns (laws [B, V..], joint or None, info)."""
   contexts = [()] * toy.B
-  drafts, probs, qs, depth, verified, _, _, _ = step(toy, contexts, state, arm=arm,
-                                                     explore_every=explore_every, **options)
+  drafts, probs, qs, depth, verified, _ = step(toy, contexts, state, arm=arm, **options)
   laws = np.zeros((toy.B,) + (toy.V,) * L)
   joint_law = np.zeros((toy.V,) * (L * toy.B)) if joint else None
   for n in range(len(probs)):
@@ -280,28 +244,28 @@ def step_laws(toy: Toy, state: StepState, L: int, *, arm, explore_every=0, joint
   return laws, joint_law, dict(depth=depth, verified=verified, probs=probs, drafts=drafts)
 
 
-def emitted_law(toy: Toy, L: int, state: StepState = FIRST, *, arm, explore_every=0,
+def emitted_law(toy: Toy, L: int, state: StepState | None = None, *, arm,
                 context: tuple = (), _memo=None, **options) -> np.ndarray:
   """Exact law [V]*L of the first L tokens one request (B = 1) emits, over as many steps
-  as it takes: each step's state (tau, lagged budget) is the previous step's output."""
+  as it takes: each step's plan is the previous step's output."""
   assert toy.B == 1
+  state = first(toy) if state is None else state
   memo = {} if _memo is None else _memo
-  key = (context, L, float(state.tau), int(state.budget), state.step, int(state.cap))
+  key = (context, L, tuple(int(n) for n in state.plan), state.step)
   if key in memo:
     return memo[key]
-  drafts, probs, qs, depth, verified, next_tau, next_budget, next_cap = step(
-      toy, [context], state, arm=arm, explore_every=explore_every, **options)
+  drafts, probs, qs, depth, verified, next_plan = step(toy, [context], state, arm=arm,
+                                                       **options)
   law = np.zeros((toy.V,) * L)
   for n in range(len(probs)):
-    nxt = StepState(tau=float(next_tau[n]), budget=int(next_budget[n]), step=state.step + 1,
-                    cap=int(next_cap[n]))
+    nxt = StepState(plan=tuple(int(x) for x in next_plan[n]), step=state.step + 1)
     for tokens, prob in verification_outcomes(toy, 0, context, drafts[n, 0], qs[n, 0],
                                               int(verified[n, 0])):
       if len(tokens) >= L:
         law[tokens[:L]] += probs[n] * prob
       else:
-        rest = emitted_law(toy, L - len(tokens), nxt, arm=arm, explore_every=explore_every,
-                           context=context + tokens, _memo=memo, **options)
+        rest = emitted_law(toy, L - len(tokens), nxt, arm=arm, context=context + tokens,
+                           _memo=memo, **options)
         law[tokens] += probs[n] * prob * rest
   memo[key] = law
   return law

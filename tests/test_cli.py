@@ -29,6 +29,8 @@ from av_jax.studies.settings import Settings
     ("demo --requests 0", "argument --requests: expected an integer >= 1, got '0'"),
     ("demo --slots 0", "argument --slots: expected an integer >= 1"),
     ("demo --top-p 0", "argument --top-p: expected a nucleus mass"),
+    ("demo --clock nowhere:x", "argument --clock: clock: unknown device"),
+    ("generate --prompt x --cost guessed", "argument --cost: invalid choice"),
     ("bench --skip foo", "argument --skip: unknown studies ['foo']; known: labels, "
                          "throughput, per_workload, modelled, overhead"),
     ("bench --skip labels,foo,bar", "unknown studies ['bar', 'foo']"),
@@ -89,3 +91,59 @@ def test_report_words_the_head_comparison_from_the_gaps(gaps, expected):
   assert expected in text
   if all(g < -R.TIE for g in gaps):
     assert "ties" not in text and "beats" not in text
+
+
+def _demo_results():
+  """Records as `compare` returns them: concurrency 1 (speculation pays on both clocks)
+  and 32 (it pays on the modelled clock only)."""
+  def records(figures):
+    out = []
+    for c, arms in figures.items():
+      best = max((a for a in arms if a != "av"), key=lambda a: arms[a])
+      for arm, tok_s in arms.items():
+        mode = "av" if arm == "av" else ("fixed" if arm.startswith("fixed") else arm)
+        out.append(dict(concurrency=c, arm=arm, mode=mode, tokens_per_s=tok_s, best_static=best,
+                        vs_best_static=tok_s / arms[best], drafted_share=0.5))
+    return dict(results=out)
+  modelled = {1: {"target_only": 100.0, "fixed:2": 150.0, "fixed:4": 160.0, "av": 168.0},
+              32: {"target_only": 1000.0, "fixed:2": 1100.0, "fixed:4": 1050.0, "av": 1080.0}}
+  wall = {1: {"target_only": 100.0, "fixed:2": 120.0, "fixed:4": 90.0, "av": 110.0},
+          32: {"target_only": 200.0, "fixed:2": 150.0, "fixed:4": 100.0, "av": 190.0}}
+  return dict(modelled=records(modelled), wall=records(wall))
+
+
+def test_demo_paragraph_says_where_speculation_paid_from_the_numbers():
+  from av_jax.engine import demo
+  text = demo.summary(_demo_results(), clock="h200:llama3-8b")
+  modelled, wall = text.split("On this machine's wall clock")
+  assert "speculation paid at concurrency 1 (fixed:4 at 1.60x" in modelled
+  assert "and 32 (fixed:2 at 1.10x" in modelled and "did not" not in modelled
+  assert "1.05x the best static arm (fixed:4) at concurrency 1" in modelled
+  assert "0.98x the best static arm (fixed:2) at concurrency 32" in modelled
+  assert "speculation paid at concurrency 1 (fixed:2 at 1.20x" in wall
+  assert "it did not at 32 (fixed:2 at 0.75x the target alone)" in wall
+  only_lost = _demo_results()
+  only_lost["wall"]["results"] = [r for r in only_lost["wall"]["results"] if r["concurrency"] == 32]
+  assert "speculation did not pay at concurrency 32" in demo.summary(only_lost, clock="h200")
+  assert "0.95x the best static arm (target_only) at concurrency 32" in wall
+
+
+def test_demo_tables_put_both_clocks_side_by_side():
+  from av_jax.engine import demo
+  table = demo.format_tables(_demo_results(), clock="h200:llama3-8b")
+  rows = {line.split()[0]: line.split() for line in table.splitlines()
+          if line.startswith("  ") and line.split()[0] in ("target_only", "fixed:2", "fixed:4", "av")}
+  assert len([l for l in table.splitlines() if l.startswith("concurrency")]) == 2
+  # The last table (concurrency 32): fixed:2 best on the modelled clock, target only on the wall.
+  assert rows["fixed:2"][1:4] == ["1100.0", "1.100", "*"]
+  assert rows["target_only"][-3:] == ["200.0", "1.000", "*"]
+  assert rows["av"][1:3] == ["1080.0", "1.080"] and rows["av"][3:5] == ["190.0", "0.950"]
+
+
+def test_generate_starts_from_modelled_costs_and_plain_tokens(monkeypatch):
+  seen = []
+  monkeypatch.setattr(cli, "cmd_generate", lambda args: seen.append(args))
+  cli.main(["generate", "--prompt", "x"])
+  cli.main(["generate", "--prompt", "x", "--cost", "profiled", "--plain-tokens", "0"])
+  assert (seen[0].cost, seen[0].plain_tokens, seen[0].slots) == ("modelled", 16, 1)
+  assert (seen[1].cost, seen[1].plain_tokens) == ("profiled", 0)

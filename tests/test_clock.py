@@ -18,10 +18,9 @@ def _tables(kind: str, buckets=None):
                               max_draft=K, context_len=512, buckets=buckets)
 
 
-def _run(kind: str, mode: str, tables, *, skip=True):
+def _run(kind: str, mode: str, tables):
   cfg, drafter, params = fx.pair(kind)
-  config = E.EngineConfig(num_slots=B, max_draft=K, max_len=32, mode=mode, steps_per_chunk=4,
-                          skip_unprofitable_drafts=skip)
+  config = E.EngineConfig(num_slots=B, max_draft=K, max_len=32, mode=mode, steps_per_chunk=4)
   engine = E.make_engine(config, cfg, drafter)
   rng = np.random.default_rng(0)
   prompts = rng.integers(1, fx.VOCAB, (6, 5)).tolist()

@@ -112,14 +112,14 @@ def test_arm_names_come_from_the_registry():
 
 
 def test_every_adaptive_arm_plans_with_profiled_tables():
-  """`av-no-stop` (like `av`) plans with the engine's profiled tables, not the default
-  ones (it used the defaults before, so it decided as if every step cost the same)."""
+  """`av` plans with the engine's profiled tables, not the default ones, and the oracle is
+  charged with the same tables."""
   pair = _pair("block")
   runner = C.Runner(temperature=1.0, top_p=1.0, max_len=24, refit_interval=4,
                     steps_per_chunk=4, log=lambda line: None)
   prompts = _prompts(pair, "code", num=2, length=6, seed=0)
   tables = {}
-  for name in ("av-no-stop", "fixed:2", "av"):
+  for name in ("oracle", "fixed:2", "av"):
     arm = C.parse_arms(name, max_draft=2)[0]
     _, cost = runner.engine(pair, 2, arm, prompts)
     profiled = runner.profile(pair, 2, arm)
@@ -129,8 +129,8 @@ def test_every_adaptive_arm_plans_with_profiled_tables():
       assert profiled is not None and cost is not None
       assert np.asarray(cost.verify_ms).shape[0] > 1
       tables[name] = cost
-  # One profile (the AV engine's) prices both adaptive arms: the same hardware tables.
-  for a, b in zip(jax.tree.leaves(tables["av"]), jax.tree.leaves(tables["av-no-stop"])):
+  # One profile (the AV engine's) prices both arms: the same hardware tables.
+  for a, b in zip(jax.tree.leaves(tables["av"]), jax.tree.leaves(tables["oracle"])):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
@@ -187,17 +187,17 @@ def test_steps_per_chunk_reaches_compare_from_the_cli(monkeypatch):
 
 
 def test_a_comparison_without_a_static_arm_still_prints():
-  """Adaptive arms only (e.g. `--arms av,av-no-stop,confstop:0.8`): no best static arm,
+  """No static arm (e.g. `--arms av,oracle`): no best static arm,
   and the table still prints (it crashed after the timing, losing the results)."""
   row = dict(drafter="eagle", workload="mixed", concurrency=4, clock="wall", k=8, repeat=0,
              tokens_per_s=10.0, per_request_tokens_per_s=2.5, wall_tokens_per_s=10.0,
              wall_per_request_tokens_per_s=2.5, tokens_per_step=2.0, verified_per_step=1.0,
              acceptance=0.5, drafted_share=1.0, draft_passes_per_step=3.0)
   recs = C.records([dict(row, arm="av", mode="av"),
-                    dict(row, arm="av-no-stop", mode="av-no-stop", tokens_per_s=8.0)])
+                    dict(row, arm="oracle", mode="oracle", tokens_per_s=8.0)])
   assert all(r["vs_best_static"] is None for r in recs)
   text = C.format_group(recs)
-  assert "av: no static arm" in text and "av-no-stop: no static arm" in text
+  assert "av: no static arm" in text and "oracle" in text
 
 
 def test_a_warm_start_fits_only_adaptive_arms():

@@ -265,31 +265,10 @@ def test_selection_and_planner_under_vmap():
   np.testing.assert_array_equal(plans.mask, masks)
 
 
-def test_draft_gate_closes_reopens_at_recheck_and_refuses_bad_intervals():
-  B, K = 2, 3
-  # Drafting dearer than anything verification can earn: the gate closes after a step
-  # that drafted and stays closed; the first re-check comes `recheck_every` steps later
-  # and, finding nothing, doubles the interval (the batch view of a `[1]` state).
-  cost = av_jax.make_cost_model(np.full(B + 1, 100.0), 1.0 + 0.1 * np.arange(B * (K + 1) + 1))
-  planner = av_jax.make_planner(policy="current", explore_every=2,
-                                skip_unprofitable_drafts=True, recheck_every=4)
-  state = planner.init()
-  drafted = []
-  for _ in range(13):
-    drafting = planner.should_draft(state)
-    drafted.append(bool(drafting))
-    plan, state = planner.plan(state, jnp.full((B, K), 0.9), cost, drafting=drafting)
-    if not drafting:
-      assert int(plan.num_verified.sum()) == 0
-  assert [t for t, x in enumerate(drafted) if x] == [0, 4, 12]
-  # Without the option every step drafts.
-  plain = av_jax.make_planner(policy="current", explore_every=2)
-  assert bool(plain.should_draft(plain.init()))
-  with pytest.raises(ValueError, match="recheck_every"):
-    av_jax.make_planner(policy="current", explore_every=2,
-                        skip_unprofitable_drafts=True, recheck_every=3)
-  with pytest.raises(ValueError, match="max_recheck_every"):
-    av_jax.make_planner(policy="current", explore_every=2,
-                        skip_unprofitable_drafts=True, recheck_every=4, max_recheck_every=2)
-  with pytest.raises(ValueError, match="recheck_slots"):
-    av_jax.make_planner(policy="current", explore_every=2, recheck_slots=0)
+def test_planner_refuses_bad_settings_by_name():
+  with pytest.raises(ValueError, match="explore_every"):
+    av_jax.make_planner(policy="current", explore_every=-1)
+  with pytest.raises(ValueError, match="draft_stop"):
+    av_jax.make_planner(policy="current", draft_stop="survival")
+  with pytest.raises(ValueError, match="confidence_threshold"):
+    av_jax.make_planner(policy="fixed", draft_stop="confidence", confidence_threshold=1.5)

@@ -130,14 +130,12 @@ def test_bucket_sizes():
   assert E.EngineConfig(num_slots=2, max_draft=2, buckets=(3, 4)).bucket_sizes() == (3, 4, 6)
 
 
-@pytest.mark.parametrize("kind,mode", [("block_head", "av_head")])  # av: sampling test
-def test_unprofitable_drafting_is_skipped_and_output_unchanged(kind, mode):
-  """With drafting dearer than any gain, AV drafts only at re-check steps (exploration
-  steps, `draft_recheck_every` apart at first, then backing off: the interval doubles
-  after each re-check that finds nothing, up to 8 x); greedy output still equals
-  target-only greedy decoding."""
+def test_unprofitable_drafting_is_skipped_and_output_unchanged():
+  """With drafting dearer than any gain (and than exploration's share of step time can
+  buy), AV's plan drafts for no slot; with drafting free it drafts on every step with an
+  active slot. Greedy output equals target-only greedy decoding either way."""
   from av_jax.selection import make_cost_model
-  engine, params = _engine(kind, mode, explore_every=3, draft_recheck_every=6)
+  engine, params = _engine("block", "av")
   B, K = engine.config.num_slots, engine.config.max_draft
   cost = make_cost_model(np.full(B + 1, 100.0), 1.0 + 0.02 * np.arange(B * (K + 1) + 1))
   want = [fx.greedy_reference(False, p, n) for p, n in zip(PROMPTS, MAX_NEW)]
@@ -145,17 +143,7 @@ def test_unprofitable_drafting_is_skipped_and_output_unchanged(kind, mode):
                       cost=cost, keep_infos=True)
   assert [c.tokens for c in result.completions] == want
   drafted = np.concatenate([i.drafting for i in result.infos])
-  num_active = np.concatenate([i.active for i in result.infos])
-  interval, next_recheck, expected = 6, 6, []
-  for t, n in enumerate(num_active):
-    recheck = t >= next_recheck and t % 3 == 0
-    expected.append(t == 0 or recheck)
-    if recheck and n > 0:  # a re-check with no active slot does not count
-      interval = min(2 * interval, 48)
-      next_recheck = t + interval
-  np.testing.assert_array_equal(drafted, expected)
-  assert np.flatnonzero(expected)[:2].tolist() == [0, 6]
-  # Free drafting never closes the gate.
+  assert not drafted.any()
   free = make_cost_model(np.full(B + 1, 1e-3), 1.0 + 0.02 * np.arange(B * (K + 1) + 1))
   result = E.generate(engine, params, PROMPTS, max_new_tokens=MAX_NEW, key=fx.key(0),
                       cost=free, keep_infos=True)

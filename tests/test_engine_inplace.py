@@ -137,7 +137,7 @@ def _loop_copies(engine, params, B, max_len, field=lambda state: state.target_ca
 
 @pytest.mark.parametrize("kind,mode", [("block", "target_only"), ("block", "fixed"),
                                        ("block", "av"), ("eagle", "av"),
-                                       ("eagle", "av-no-stop")])
+                                       ("draft_lm", "av")])
 def test_no_step_copies_the_target_cache(kind, mode):
   cfg, drafter, params = pair(kind)
   B, max_len = 4, 64

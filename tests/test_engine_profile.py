@@ -106,21 +106,18 @@ def test_whole_step_anchors_from_a_recorded_profile():
   assert np.all(np.diff(v) >= 0)
 
 
-def test_depth_one_programs_and_the_shallow_regime_price_a_shallow_step():
-  """Pass pricing: the drafter's depth-1 programs give the fixed part of each draft
-  bucket ((K first - full) / (K - 1), so 1 and K passes cost what the programs did), and
-  the "shallow" regime anchors the verify table at its median step's tokens, its passes
-  priced by those tables; the one-slot regime subtracts the bucket of the rows each step
-  ran (numbers checked by hand). Negative control: the profile without them prices a
-  shallow step (1.5 passes of every slot) at 1.5 / K of the drafter: 4.075 ms here, against
-  4.6 measured."""
+def test_depth_one_programs_price_the_drafters_fixed_part():
+  """The drafter's depth-1 programs give the fixed part of each draft bucket
+  ((K first - full) / (K - 1), so 1 and K passes cost what the programs did); the
+  one-slot regime subtracts the bucket of the rows each step ran (numbers checked by
+  hand). Negative control: the profile without them prices depth 1 at 1 / K of the
+  drafter."""
   # B = 2, K = 4: buckets of 2, 6 and 10 tokens; draft buckets of 1 and 2 rows.
   base = dict(buckets=[2, 6, 10], bucket_ms=[2.0, 3.0, 6.0], draft_ms=2.6,
               draft_buckets=[1, 2], draft_bucket_ms=[1.4, 2.6],
               step_ms=dict(skip=1.5, one=4.5, full=7.0))
   profile = dict(base, draft_first_ms=[0.5, 0.8],
-                 step_ms=dict(base["step_ms"], one_row_steps=[1, 1, 2, 1], shallow=4.6,
-                              shallow_passes=1.5, shallow_verified_steps=[2, 2, 3, 2]))
+                 step_ms=dict(base["step_ms"], one_row_steps=[1, 1, 2, 1]))
   draft, fixed = prof.draft_tables(profile, num_slots=2)
   np.testing.assert_allclose(draft, [1.4, 1.4, 2.6])
   np.testing.assert_allclose(fixed, [0.2, 0.2, 0.2])  # (4 * 0.5 - 1.4) / 3, (3.2 - 2.6) / 3
@@ -129,43 +126,32 @@ def test_depth_one_programs_and_the_shallow_regime_price_a_shallow_step():
     assert float(cost.draft_share_cost(r, 1 / 4)) == pytest.approx(first, rel=1e-5)
     assert float(cost.draft_share_cost(r, 1.0)) == pytest.approx(draft[r], rel=1e-5)
   anchors = prof.step_anchors(profile, num_slots=2, max_tokens=10)
-  # shallow: 4.6 - (0.2 + 1.5 / 4 * 2.4) = 3.5 at 2 + 2; one: 4.5 - mean(1.4, 1.4, 2.6, 1.4).
-  assert anchors == [(2, 1.5), (4, pytest.approx(3.5)), (6, pytest.approx(2.8)),
-                     (10, pytest.approx(4.4))]
-  v = np.asarray(cost.verify_ms)
-  assert v[4] == pytest.approx(3.5, rel=1e-5) and v[6] == pytest.approx(3.5, rel=1e-5)
-  shallow = float(cost.draft_share_cost(2, 1.5 / 4) + cost.verify_cost(4))
-  assert shallow == pytest.approx(4.6, rel=1e-5)  # the shallow step at what it cost
+  # one: 4.5 - mean(1.4, 1.4, 2.6, 1.4) = 2.8 at 2 + 4; full: 7.0 - 2.6 at 10.
+  assert anchors == [(2, 1.5), (6, pytest.approx(2.8)), (10, pytest.approx(4.4))]
   old = prof.cost_model_from_profile(base, num_slots=2, max_tokens=10)
   np.testing.assert_array_equal(old.draft_fixed_ms, np.zeros(3))
-  assert float(old.draft_share_cost(2, 1.5 / 4) + old.verify_cost(4)) == pytest.approx(4.075)
+  assert float(old.draft_share_cost(2, 1 / 4)) == pytest.approx(2.6 / 4)
 
 
-def test_an_autoregressive_profile_times_depth_one_and_the_shallow_regime():
-  """EAGLE under `av` (pass pricing): the profile times the drafter's depth-1 program per
-  draft bucket and a "shallow" regime in which every slot drafts under a depth cap of 1
-  (one pass on most steps; the probe after an exploration step and the exploring slot
-  run deeper), verifying one draft per slot on its typical step. Negative control: a
-  parallel drafter (block) times neither."""
+def test_an_autoregressive_profile_times_depth_one():
+  """EAGLE under `av`: the profile times the drafter's depth-1 program per draft bucket
+  and the whole-step regimes of the priced plan. A parallel drafter (block) drafts its
+  block in one pass: no depth-1 program to time."""
   cfg, drafter, params = fx.pair("eagle")
   B, K = 2, 3
-  engine = E.make_engine(E.EngineConfig(num_slots=B, max_draft=K, max_len=48, mode="av-gate",
+  engine = E.make_engine(E.EngineConfig(num_slots=B, max_draft=K, max_len=48, mode="av",
                                         steps_per_chunk=4), cfg, drafter)
-  assert prof.shallow_regime(engine)
   profile = prof.measure(engine, params, repeats=1)
   assert len(profile["draft_first_ms"]) == len(profile["draft_buckets"])
   assert all(ms > 0 for ms in profile["draft_first_ms"])
   steps = profile["step_ms"]
-  assert steps["shallow"] > 0 and steps["shallow_rows"] == B
-  assert 1.0 <= steps["shallow_passes"] < K
-  assert int(np.median(steps["shallow_verified_steps"])) == B  # one draft per slot
+  assert steps["skip"] > 0 and steps["full"] > 0 and steps["full_rows"] == B
   cost = prof.cost_model_from_profile(profile, num_slots=B, max_tokens=B * (K + 1))
   assert np.all(np.asarray(cost.draft_fixed_ms) <= np.asarray(cost.draft_ms))
-  assert "all at depth cap 1" in prof.format_profile(dict(profile, cached=False, path=""))
   cfg, block, params = fx.pair("block")
   engine = E.make_engine(E.EngineConfig(num_slots=B, max_draft=K, max_len=48, mode="av",
                                         steps_per_chunk=4), cfg, block)
-  assert not prof.shallow_regime(engine)
+  assert not E.core._stepwise(engine)  # what `measure` times the depth-1 programs under
 
 
 def test_a_one_slot_step_dearer_than_a_full_one_is_its_drafting_path():

@@ -27,6 +27,8 @@ from scipy import stats
 
 from av_jax import arms
 from av_jax import engine as E
+from av_jax.decision import make_decider
+from av_jax.planner import PlannerConfig
 from av_jax.models import sampling_probs
 from av_jax.selection import make_cost_model
 from tests import _engine_fixtures as fx
@@ -44,14 +46,15 @@ HEIGHT = 1.95
 
 def _engine(policy):
   cfg, drafter, params = fx.pair("draft_lm")
-  # `av-no-stop`: AV drafting every depth, so the budget alone decides what is verified (the
-  # early stop of autoregressive drafting has its own sensitive test, test_engine_early_stop).
-  config = E.EngineConfig(num_slots=1, max_draft=2, max_len=8, mode="av-no-stop",
-                          temperature=1.0,
+  # The budget rule (`av_jax.decision`, what `decision_step` runs) in the engine, drafting
+  # every depth, so the budget alone decides what is verified.
+  config = E.EngineConfig(num_slots=1, max_draft=2, max_len=8, mode="av", temperature=1.0,
                           policy=policy, steps_per_chunk=1, buckets=(3,),
-                          refit_interval=10**9, explore_every=0, init_slope=SLOPE,
-                          init_intercept=INTERCEPT)
-  return E.make_engine(config, cfg, drafter), cfg, params
+                          refit_interval=10**9, init_slope=SLOPE, init_intercept=INTERCEPT)
+  engine = E.make_engine(config, cfg, drafter)
+  decider = make_decider(2, policy=engine.policy, estimator=config.estimator,
+                         planner=PlannerConfig(explore_every=0))
+  return engine._replace(decider=decider), cfg, params
 
 
 def _run(engine, params):

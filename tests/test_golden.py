@@ -19,7 +19,7 @@ RTOL = 1e-5  # floats only; ~100x the cross-CPU differences seen, far below a ch
 
 def test_the_fast_selection_covers_every_arm_kind_and_temperature():
   cases = [golden.TINY_CASES[name] for name in golden.FAST_CASES]
-  assert {c["mode"] for c in cases} == {"target_only", "fixed", "av-gate", "av_head", "oracle"}
+  assert {c["mode"] for c in cases} == {"target_only", "fixed", "av", "av_head", "oracle"}
   assert {c["kind"] for c in cases} == set(golden.KINDS)
   assert {c["temperature"] for c in cases} == {0.0, 1.0}
   assert set(TINY) == set(golden.TINY_CASES)

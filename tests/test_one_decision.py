@@ -1,14 +1,12 @@
-"""One decision path: the engine's decisions are `av_jax.decision`'s, step by step.
+"""One budget rule: an engine running `av_jax.decision`'s verbs decides what replaying
+its records through the verbs decides, step by step.
 
-The engine step, `decision_step` (and so `benchmarks/overhead.py`, which times it) and
-the simulator run the verbs of one `Decider`. Here: the engine holds the very decider
-that `DecisionConfig` (the benchmark's and the NumPy reference's settings) builds;
-replaying an engine run's recorded features and labels through the verbs gives the
-engine's scores, plans and estimator, step by step; and `decision_step` is the verbs
-composed (~25 s).
+The static arms and `av_head` run a `Decider` in the engine (the `av` arm runs the priced
+plan, `av_jax.decider`); `decision_step`, the overhead benchmark and the simulator run
+the same verbs. Here an engine holds the budget rule's decider (`_engine`); replaying its
+recorded features and labels through the verbs gives the engine's scores, plans and
+estimator, step by step; and `decision_step` is the verbs composed.
 """
-
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -17,8 +15,8 @@ import pytest
 
 import av_jax
 from av_jax import engine as E
-from av_jax.decision import make_decision
-from av_jax.decision_reference import DecisionConfig
+from av_jax.decision import make_decider, make_decision
+from av_jax.planner import PlannerConfig
 from tests import _engine_fixtures as fx
 
 PROMPTS = [[1, 2, 3], [4], list(range(5, 15)), [7, 7, 7, 7]]
@@ -26,32 +24,16 @@ MAX_NEW = [9, 12, 6, 10]
 
 
 def _engine(kind, **overrides):
+  """An engine whose decision is the budget rule under the drafter's exact policy."""
   cfg, drafter, params = fx.pair(kind)
-  settings = dict(num_slots=3, max_draft=3, max_len=40, mode="av-gate", temperature=1.0,
-                  steps_per_chunk=4, refit_interval=3, explore_every=2)
+  settings = dict(num_slots=3, max_draft=3, max_len=40, mode="av", temperature=1.0,
+                  steps_per_chunk=4, refit_interval=3)
   settings.update(overrides)
-  return E.make_engine(E.EngineConfig(**settings), cfg, drafter), params
-
-
-def test_engine_holds_the_decider_the_benchmark_times():
-  engine, _ = _engine("eagle")
-  config = engine.config
-  cost = E.default_cost(config)
-  # EAGLE keeps current by `absorb`, so it may skip drafting (the gate is on); sampled
-  # drafts: lagged; `av` stops its drafting by survival stop.
-  assert engine.decider.planner.gated
-  planner = dataclasses.replace(config.planner, skip_unprofitable_drafts=True,
-                                draft_stop="survival")
-  bench = DecisionConfig(num_positions=config.max_draft, draft_ms=tuple(cost.draft_ms.tolist()),
-                         verify_ms=tuple(cost.verify_ms.tolist()), policy="lagged",
-                         estimator=config.estimator, planner=planner)
-  assert engine.decider is bench.decider()
-  assert bench.jax_decision().decider is engine.decider
-  # Other settings, another decider.
-  other = DecisionConfig(num_positions=config.max_draft, draft_ms=(1.0,), verify_ms=(1.0,),
-                         policy="current", estimator=config.estimator,
-                         planner=planner)
-  assert other.decider() is not engine.decider
+  engine = E.make_engine(E.EngineConfig(**settings), cfg, drafter)
+  decider = make_decider(engine.config.max_draft, policy=engine.policy,
+                         estimator=engine.config.estimator,
+                         planner=PlannerConfig(explore_every=2))
+  return engine._replace(decider=decider), params
 
 
 @pytest.mark.parametrize("kind,temperature,policy", [("eagle", 1.0, "lagged"),
@@ -62,7 +44,7 @@ def test_engine_decisions_equal_the_verbs_replayed(kind, temperature, policy):
   and budget are the engine's, and so are the final coefficients. (`decision_step` is
   these verbs composed, learn -> score -> plan; tests/test_decision.py checks it
   against the NumPy reference.)"""
-  engine, params = _engine(kind, temperature=temperature, skip_unprofitable_drafts=False)
+  engine, params = _engine(kind, temperature=temperature)
   decider = engine.decider
   assert decider.planner.policy == policy
   result = E.generate(engine, params, PROMPTS, max_new_tokens=MAX_NEW, key=fx.key(3),
@@ -77,7 +59,7 @@ def test_engine_decisions_equal_the_verbs_replayed(kind, temperature, policy):
   for t in range(info.budget.shape[0]):
     probs = score(state, info.features[t])
     np.testing.assert_allclose(probs, info.probs[t], rtol=1e-6, atol=1e-7, err_msg=f"step {t}")
-    # The positions the engine drafted (survival stop may end a slot's drafting early).
+    # The positions the engine drafted (a non-finite draft ends a slot's drafting).
     drafted = np.arange(info.probs.shape[-1])[None] < info.drafted_depth[t][:, None]
     plan, state = plan_fn(state, info.probs[t], cost, info.slot_active[t], drafted)
     np.testing.assert_array_equal(plan.num_verified, info.num_verified[t], err_msg=f"step {t}")
@@ -91,7 +73,7 @@ def test_engine_decisions_equal_the_verbs_replayed(kind, temperature, policy):
 def test_decision_step_is_learn_score_plan():
   """`decision_step` on logits equals the verbs called in its order on the same inputs
   (the feature computed once, outside)."""
-  engine, _ = _engine("block", temperature=1.0, skip_unprofitable_drafts=False)
+  engine, _ = _engine("block", temperature=1.0)
   decider, cost = engine.decider, E.default_cost(engine.config)
   decide = make_decision(decider, donate=False)
   B, K, V = engine.config.num_slots, engine.config.max_draft, 11

@@ -94,7 +94,7 @@ def test_sampling_with_two_groups_draws_the_same_tokens():
 
 def test_profile_times_the_grouped_program():
   cfg, drafter, params = fx.pair("block")
-  engine = E.make_engine(E.EngineConfig(num_slots=4, max_draft=2, max_len=16, mode="av-gate",
+  engine = E.make_engine(E.EngineConfig(num_slots=4, max_draft=2, max_len=16, mode="av",
                                         num_buckets=2, verify_groups=2), cfg, drafter)
   profile = prof.measure(engine, params, repeats=1)
   # Total sizes (G x T_g), the units of the cost tables.
@@ -102,7 +102,7 @@ def test_profile_times_the_grouped_program():
   assert profile["verify_groups"] == 2 and all(ms > 0 for ms in profile["bucket_ms"])
   cost = prof.cost_model_from_profile(profile, num_slots=4, max_tokens=12)
   # The verify entries are the grouped program's bucket times mapped onto the whole
-  # steps measured (`verify_table`): B = 4 tokens cost the gated-off step, 5 and 6 (the
+  # steps measured (`verify_table`): B = 4 tokens cost the step without drafting, 5 and 6 (the
   # 12 bucket) the one-slot step, 12 the full step, each less its drafting (kept
   # monotone: a loaded machine can time a larger regime cheaper).
   steps = profile["step_ms"]

@@ -23,6 +23,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from av_jax.costs import CostTables
+from av_jax.decider import PolicyDecider
 from av_jax.engine import clock as modelled_clock
 from av_jax.engine import core
 from av_jax.engine import distributed
@@ -256,7 +257,7 @@ def generate(engine: core.Engine, params: core.Params, prompts: Sequence[Sequenc
     raise ValueError(f"learn: expected {len(prompts)} flags (one per prompt), got {len(learn)}")
   masked = not all(learn)
   if masked:
-    if not isinstance(engine.decider, core.PolicyDecider):  # its `learn` takes the mask
+    if not isinstance(engine.decider, PolicyDecider):  # its `learn` takes the mask
       raise ValueError(f"learn: a per-request mask needs the av arm's decider (PolicyDecider), "
                        f"got {type(engine.decider).__name__}")
     if mesh is not None or checkpoint_path is not None or resume_from is not None:

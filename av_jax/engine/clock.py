@@ -10,7 +10,7 @@ sum of table entries for what it did (`step_ms`):
     charge = draft_depth_ms[D, :draft_passes].sum() + verify
 
 * `D` = the requests that drafted (`StepInfo.draft_slots` summed): every active request
-  on an ungated step, only those the decider let draft under the skip-drafting gate (a
+  on an ungated step, only those the decider's plan lets draft under subset drafting (a
   serving stack drafts only those; tables of av_jax's own implementation have every row
   equal to row B, so the index does not matter there). Records made before per-slot
   drafting (no `draft_slots`) charge every active request;

@@ -3,7 +3,7 @@
 One jitted `step(params, state) -> (state, StepInfo)`:
 
     draft K tokens -> features -> acceptance probabilities (online estimator or the
-    drafter's confidence head) -> planner: num_verified per slot -> pack the verified
+    drafter's confidence head) -> decision: num_verified per slot -> pack the verified
     tokens into a static bucket -> target forward on the packed tokens only (`lax.switch`
     over one program per bucket) -> rejection sample -> commit the emitted tokens to the
     caches and the sequence buffer -> estimator update.
@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from av_jax.arms import ARMS, Arm, get_arm, policy_for
-from av_jax.decider import PolicyDecider, make_policy_decider
+from av_jax.decider import make_policy_decider
 from av_jax.decision import Decider, DecisionState, make_decider
 from av_jax.engine import protocols
 from av_jax.engine.protocols import Target
@@ -41,7 +41,7 @@ from av_jax.models.drafters import (CacheWindow, Drafter, DrafterState, can_skip
                                     settle, take_slots, widen, window_start,
                                     write_window)
 from av_jax.models.sampling import sample_tokens, sampling_probs
-from av_jax.planner import WAITING, PlannerConfig, PlannerState
+from av_jax.planner import PlannerConfig, PlannerState
 from av_jax.rejection import RejectionResult, rejection_sample
 from av_jax.sampling import Sampling, sampling_log_probs
 from av_jax.selection import CostModel, linear_cost_model
@@ -61,10 +61,6 @@ _FLAT = {
     "l2": ("estimator", "l2"),
     "init_slope": ("estimator", "init_slope"),
     "init_intercept": ("estimator", "init_intercept"),
-    "explore_every": ("planner", "explore_every"),
-    "skip_unprofitable_drafts": ("planner", "skip_unprofitable_drafts"),
-    "draft_recheck_every": ("planner", "recheck_every"),
-    "outcome_check": ("planner", "outcome_check"),
 }
 
 
@@ -72,7 +68,7 @@ _FLAT = {
 class EngineConfig:
   """Static engine settings (one compiled program set per config).
 
-  The engine's own shape settings, plus the sampling, estimator and planner settings as
+  The engine's own shape settings, plus the sampling and estimator settings as
   nested configs. The flat names of `_FLAT` are accepted as keyword arguments and read
   back as properties (`EngineConfig(temperature=0.0).temperature`), so
   `dataclasses.replace(config, temperature=0.0)` works too.
@@ -84,11 +80,12 @@ class EngineConfig:
   policy: str | None = None      # planner budget policy; None = the exact one for the drafter
   num_buckets: int = 4           # static packed-token sizes between B and B*(K+1)
   buckets: tuple[int, ...] | None = None  # explicit bucket sizes (override num_buckets)
-  # Draft buckets E: under the skip-drafting gate a step drafts only the slots that draft,
+  # Draft buckets E: under subset drafting (the `av` arm's plan leaves rows out of
+  # drafting) a step drafts only the slots that draft,
   # gathered into the smallest E >= their number (ascending, the last B); None: the
   # geometric {ceil(B/8), ceil(B/4), ceil(B/2), B}.
   draft_buckets: tuple[int, ...] | None = None
-  # Lazy catch-up: under the skip-drafting gate an autoregressive drafter's slot that does
+  # Lazy catch-up: under subset drafting an autoregressive drafter's slot that does
   # not draft keeps up to this many committed tokens (and their target hidden states)
   # pending, absorbed when it drafts again or when this many are pending
   # (`drafters.widen` / `settle`); >= K + 1 (K + 1: absorb every K + 1 steps, the eager
@@ -108,10 +105,6 @@ class EngineConfig:
                                     # `generate(mesh=...)` the 'data' size
   sampling: Sampling = Sampling()  # temperature (0: greedy) and top-p of draft and target
   estimator: EstimatorConfig = EstimatorConfig()  # the online estimator's settings
-  # The planner's settings. `skip_unprofitable_drafts`: AV does not draft while it does
-  # not pay, re-checking every `recheck_every` steps (None: 4 x explore_every), for every
-  # drafter that `drafters.can_skip` (parallel, or with `absorb`); other arms ignore it.
-  planner: PlannerConfig = PlannerConfig(skip_unprofitable_drafts=True)
 
   def __init__(self, **settings):
     groups: dict[str, dict] = {}
@@ -141,8 +134,7 @@ class EngineConfig:
                        f"{self.num_slots}, {self.max_draft}")
     if self.max_len < self.max_draft + 3:
       raise ValueError(f"max_len: expected >= max_draft + 3, got {self.max_len}")
-    for group, kind in (("sampling", Sampling), ("estimator", EstimatorConfig),
-                        ("planner", PlannerConfig)):
+    for group, kind in (("sampling", Sampling), ("estimator", EstimatorConfig)):
       if not isinstance(getattr(self, group), kind):
         raise ValueError(f"{group}: expected a {kind.__name__}, got "
                          f"{getattr(self, group)!r}")
@@ -321,7 +313,7 @@ class Engine(NamedTuple):
   def pending_width(self) -> int:
     """The drafter state's pending columns: `EngineConfig.pending_width()` where a slot
     may skip drafting an autoregressive drafter (lazy catch-up), else K + 1."""
-    gated = self.arm.drafts and self.decider.planner.gated
+    gated = self.arm.drafts and self.decider.gated
     if gated and self.drafter.absorb is not None:
       return self.config.pending_width()
     return self.config.max_draft + 1
@@ -375,32 +367,19 @@ def make_engine(config: EngineConfig, models: ModelsConfig | None = None,
     raise ValueError(f"mode: 'av_head' needs a drafter with a confidence head, got "
                      f"{drafter.kind!r}")
   policy = policy_for(ARMS["av"], drafting=drafter.drafting, greedy=config.greedy,
-                      requested=config.policy)
-  # A drafter may skip drafting when `catch_up` keeps it current: a parallel one (no
-  # cache) or one with `absorb`; a drafter with a cache and no `absorb` always drafts.
-  gated = config.planner.skip_unprofitable_drafts and can_skip(drafter)
-  # Survival stop needs an autoregressive drafter that drafts depth by depth (with a
-  # parallel one, or one without `stepwise`, `av` drafts all K like `av-no-stop`); the
-  # confidence stop's verification rule applies to any drafter.
-  stop = arm.stop
-  if stop == "survival" and not (drafter.drafting == "autoregressive" and drafter.stepwise):
-    stop = "none"
-  stop_settings = dict(draft_stop=stop, stop_price_passes=arm.price_passes,
-                       stop_tau=arm.tau)
-  if arm.threshold is not None:
-    stop_settings["confidence_threshold"] = arm.threshold
+                     requested=config.policy)
   if arm.name == "av":
-    return Engine(config=config, models=models, target=target, drafter=drafter, policy=policy,
-                  arm=arm, decider=make_policy_decider(
-                      config.max_draft, drafter_kind=drafter.drafting, greedy=config.greedy,
-                      gated=can_skip(drafter), estimator=config.estimator))
-  decider = make_decider(
-      config.max_draft, policy=policy_for(arm, drafting=drafter.drafting, greedy=config.greedy,
-                                          requested=policy),
-      head=arm.head, estimator=config.estimator,
-      planner=dataclasses.replace(config.planner,
-                                  skip_unprofitable_drafts=gated and arm.adaptive,
-                                  **stop_settings))
+    decider = make_policy_decider(config.max_draft, drafter_kind=drafter.drafting,
+                                  greedy=config.greedy, gated=can_skip(drafter),
+                                  estimator=config.estimator)
+  else:
+    stop = {"confidence": "confidence"}.get(arm.stop, "none")
+    planner = PlannerConfig(draft_stop=stop, **(
+        {} if arm.threshold is None else {"confidence_threshold": arm.threshold}))
+    decider = make_decider(
+        config.max_draft, head=arm.head, estimator=config.estimator, planner=planner,
+        policy=policy_for(arm, drafting=drafter.drafting, greedy=config.greedy,
+                          requested=policy))
   return Engine(config=config, models=models, target=target, drafter=drafter, policy=policy,
                 arm=arm, decider=decider)
 
@@ -491,9 +470,7 @@ def prefill(engine: Engine, params: Params, state: DecodeState, *, prompt: jax.A
   row = row.at[prompt_len].set(first)
   done = (max_new <= 1) | (first == cfg.eos_id)
   return state._replace(
-      planner=(engine.decider.admit(state.planner, slot)
-               if isinstance(engine.decider, PolicyDecider)
-               else _fresh_verdict(state.planner, slot, cfg.num_slots, state.active)),
+      planner=engine.decider.admit(state.planner, slot),
       target_cache=protocols.insert_slot(target, state.target_cache, cache, slot),
       drafter=insert_slot(state.drafter, dstate, slot),
       tokens=state.tokens.at[slot].set(row),
@@ -502,42 +479,6 @@ def prefill(engine: Engine, params: Params, state: DecodeState, *, prompt: jax.A
       max_new=state.max_new.at[slot].set(max_new),
       active=state.active.at[slot].set(~done),
       key=key)
-
-
-def _fresh_verdict(planner: PlannerState, slot: jax.Array, num_slots: int,
-                   active: jax.Array) -> PlannerState:
-  """The gate's verdict for a slot that starts a new request: the request is not held to
-  the verdict of the request that used the slot before it (a code request's closed gate
-  kept the math request after it from drafting until a re-check, up to
-  `max_recheck_every` steps later). It starts with the batch's current view: drafting
-  is tried (verdict True, margin +inf: judged afresh at its first drafting step) when
-  drafting pays for some other active slot judged on its own drafts, or when B = 1;
-  otherwise it starts gated off (margin `WAITING`) and waits, like the
-  others, for a re-check or for some slot's drafts to pay (the planner then reopens it),
-  so a large batch where nothing pays does not pay a drafting step for every admission
-  (block at B = 64 on this CPU drafted on 38% of steps that way). Beside
-  active slots none of which has been judged yet (a burst of admissions into an idle
-  batch) the batch's last verdict decides (`PlannerState.drafting_pays`, True before any
-  step): an untried slot is no evidence, and following it made every slot of a burst try
-  drafting (eagle at B = 64 on this CPU: all 64 slots drafted on the first steps of every
-  run although nothing had paid before); so does a slot with no other slot active. A
-  batch verdict (`[1]` for B > 1) is kept."""
-  pays, margin = planner.slot_pays, planner.pay_margin
-  if pays is None or margin is None or pays.shape[0] != num_slots:
-    return planner
-  others = active & (jnp.arange(num_slots) != slot)
-  judged = others & ~jnp.isinf(margin)  # judged on their own drafts (or gated off)
-  last = jnp.asarray(True if planner.drafting_pays is None else planner.drafting_pays, bool)
-  # B = 1: every request is tried. B > 1 with no other slot active (a drained batch
-  # refilled: the first slot admitted is alone for the moment) follows the batch's last
-  # verdict like a burst: trying it made one slot draft at every turnover of a batch
-  # whose requests end together (eagle at B = 8 on this CPU: a lone drafting step, about
-  # two target-only steps of cost, every 32 steps where nothing paid).
-  fresh = (jnp.any(judged & pays) | (num_slots == 1)
-           | (~jnp.any(judged) & jnp.reshape(last, ())))
-  return planner._replace(slot_pays=pays.at[slot].set(fresh),
-                          pay_margin=margin.at[slot].set(jnp.where(fresh, jnp.inf,
-                                                                   WAITING)))
 
 
 def group_cache(engine: Engine, cache: Any) -> Any:
@@ -615,8 +556,8 @@ def _verify_packed(engine: Engine, target_params, cache, *, tokens, positions, v
   on the packed rows, so its cost follows the bucket like the forward pass does.
 
   `finish` (optional): `probs [B, K+1, V] -> RejectionResult`, run inside each bucket's
-  branch, so that no `[B, K+1, V]` tensor leaves the switch (on this CPU forming and
-  passing it cost a gated-off step ~10% of a target-only step at B = 8). `plain`
+  branch, so that no `[B, K+1, V]` tensor leaves the switch (forming and passing it is a
+  `[B, K+1, V]` copy a step that drafts nothing does not need). `plain`
   (optional, with `finish`): `(use [] bool, probs [B, V] -> RejectionResult)`; where `use`
   holds the step runs the plain target pass on the base tokens `tokens[:, 0]` of the
   slots with `valid[:, 0]` (`_plain_pass`, the program of a target-only step) instead of
@@ -683,7 +624,7 @@ def _verify_packed(engine: Engine, target_params, cache, *, tokens, positions, v
   # The switch reads the cache as stored (grouped inside each branch). A cache written
   # inside the branches comes back from the switch as a new buffer, which XLA copies whole
   # into the decode loop's state on every step of an engine that also switches on
-  # drafting (the skip-drafting gate); with `verify_read` the branches return the tokens'
+  # drafting (subset drafting); with `verify_read` the branches return the tokens'
   # entries and the cache is written here, in place.
   branches = [branch(s) for s in sizes]
   if plain is not None:
@@ -752,7 +693,7 @@ def _sound(logits: jax.Array, log_probs: jax.Array | None) -> jax.Array:
 def _stepwise(engine: Engine) -> bool:
   """The drafting loop evaluates a drafting stop between depths (autoregressive
   drafters that support it, under an arm with a stop)."""
-  return (engine.decider.planner.stop != "none" and engine.drafter.stepwise
+  return (engine.decider.stop != "none" and engine.drafter.stepwise
           and engine.drafter.drafting == "autoregressive")
 
 
@@ -840,7 +781,7 @@ def _draft(engine: Engine, params: Params, drafter_state: DrafterState, key: jax
                        for name in RECORDED_FEATURES], axis=-1)
   else:
     extra = jnp.zeros((B, K, 0), jnp.float32)
-  top1 = (jnp.exp(jnp.max(log_probs, axis=-1)) if engine.decider.planner.stop == "confidence"
+  top1 = (jnp.exp(jnp.max(log_probs, axis=-1)) if engine.decider.stop == "confidence"
           else jnp.zeros((B, K), jnp.float32))
   if draft.keep_aux is not None and draft.log_probs is not None:
     # The stop computed each drafted depth's feature from the log-probs these are at a
@@ -994,9 +935,9 @@ def _verify_phase(engine: Engine, params: Params, state: DecodeState, drafts: Dr
   target's own draw (`_plain_result`: the law and the draw of a plain step), else a
   packed bucket and rejection sampling inside its branch. The target cache is written
   after the switch (`verify_read`): a cache returned by a conditional inside the decode
-  loop was copied whole on every step (XLA's copy insertion), and a gated-off step that
-  ran the smallest packed bucket, formed `[B, K+1, V]` target probabilities and chose
-  its sampling in a conditional after it cost 1.2x a target-only step at B = 8."""
+  loop is copied whole on every step (XLA's copy insertion), and a step without drafts
+  that ran the smallest packed bucket would form `[B, K+1, V]` target probabilities it
+  does not need."""
   B, K = engine.config.num_slots, engine.config.max_draft
   base = state.tokens[jnp.arange(B), state.length - 1]
   if packed is False:
@@ -1158,11 +1099,9 @@ def _decide_and_verify(engine: Engine, params: Params, state: DecodeState,
 
 
 def _prepared(engine: Engine, state: DecodeState) -> DecisionState:
-  """The decision state with this step's plan (`PolicyDecider.prepare`: who drafts and
-  how deep, from earlier steps only); other deciders plan within their verbs."""
-  if isinstance(engine.decider, PolicyDecider):
-    return engine.decider.prepare(state.decision, state.active, state.cost)
-  return state.decision
+  """The decision state with this step's plan (`decider.prepare`: who drafts and how
+  deep, from earlier steps only)."""
+  return engine.decider.prepare(state.decision, state.active, state.cost)
 
 
 def _windowed(engine: Engine, state: DecodeState) -> bool:
@@ -1175,7 +1114,7 @@ def _windowed(engine: Engine, state: DecodeState) -> bool:
 def _gated_step(engine: Engine, params: Params, state: DecodeState, *, key: jax.Array,
                 k_draft: jax.Array, k_verify: jax.Array,
                 quiet: bool = False) -> tuple[DecodeState, StepInfo]:
-  """A step under the skip-drafting gate: only the slots the decider lets draft do.
+  """A step under subset drafting: only the slots the decider's plan names draft.
 
   With n drafting slots, the drafting slots (then other slots as padding, whose outputs
   are discarded and whose state is not written back) are gathered into the smallest
@@ -1263,8 +1202,8 @@ def _gated_step(engine: Engine, params: Params, state: DecodeState, *, key: jax.
   # Only drafting differs by bucket (branch 0: nothing drafted); one decide-and-verify
   # program serves them all, and the target cache never passes through this switch:
   # a cache returned by a branch of a `lax.cond` inside the decode loop was copied whole
-  # on every step (XLA's copy insertion), which made a gated-off step dearer than a
-  # target-only one. Verification chooses between a plain and a packed target step in
+  # on every step (XLA's copy insertion), which would make a step without drafts dearer
+  # than a target-only one. Verification chooses between a plain and a packed target step in
   # its own `lax.cond` whose operand is the cache (`_verify_phase`).
   def absorb_only(E):
     # The full backlogs gathered into E rows (all B when E = B): one absorb, no drafter
@@ -1324,14 +1263,15 @@ def _gated_step(engine: Engine, params: Params, state: DecodeState, *, key: jax.
 def step(engine: Engine, params: Params, state: DecodeState) -> tuple[DecodeState, StepInfo]:
   """One speculative-decoding step for every active slot (see the module docstring).
 
-  Phases: gate -> draft and score -> decide -> verify -> stops -> commit to the drafter
-  -> learn and count. The decision (`engine.decider`: `draft_slots`, `score`, `plan`,
-  `learn`) is `av_jax.decision`'s, the code `decision_step` and the overhead benchmark
-  run. Under the skip-drafting gate only the slots that draft do (`_gated_step`).
+  Phases: prepare (the plan) -> draft and score -> decide -> verify -> stops -> commit
+  to the drafter -> learn and count. The decision (`engine.decider`: `prepare`,
+  `draft_slots`, `score`, `plan`, `learn`) is `av_jax.decider.PolicyDecider` for the
+  `av` arm, `av_jax.decision.Decider` for the others. Under subset drafting only the
+  slots the plan names draft (`_gated_step`).
   """
   decider, active = engine.decider, state.active
   key, k_draft, k_verify = jax.random.split(state.key, 3)
-  if engine.arm.drafts and decider.planner.gated:
+  if engine.arm.drafts and decider.gated:
     return _gated_step(engine, params, state, key=key, k_draft=k_draft, k_verify=k_verify)
   decision = _prepared(engine, state)
   # Ungated: every step drafts for all B slots (target-only decoding: none).
@@ -1348,13 +1288,13 @@ def step(engine: Engine, params: Params, state: DecodeState) -> tuple[DecodeStat
 
 def splits_quiet(engine: Engine) -> bool:
   """The engine runs its steps that draft for no slot in a program of their own
-  (`run_mode`): a gated engine (AV with the skip-drafting gate) with `quiet_program`."""
-  return bool(engine.arm.drafts and engine.decider.planner.gated
+  (`run_mode`): a gated engine (the `av` arm with subset drafting) with `quiet_program`."""
+  return bool(engine.arm.drafts and engine.decider.gated
               and engine.config.quiet_program)
 
 
 def next_drafts(engine: Engine, state: DecodeState) -> jax.Array:
-  """[] bool: the next step of a gated engine drafts for some slot (the gate's verdict,
+  """[] bool: the next step of a gated engine drafts for some slot (its plan,
   `decider.draft_slots`, a function of the state alone)."""
   return jnp.any(engine.decider.draft_slots(_prepared(engine, state), state.active))
 
@@ -1365,9 +1305,9 @@ def quiet_step(engine: Engine, params: Params,
   program: what `step` computes there, without the drafting branches and the verify
   switch (a target-only step's pass, the drafter's catch-up and the decision's
   bookkeeping). Run only where `next_drafts` is False (`run_mode` checks it)."""
-  if not (engine.arm.drafts and engine.decider.planner.gated):
-    raise ValueError(f"engine: a quiet step needs a gated engine (AV with the skip-drafting "
-                     f"gate), got mode {engine.config.mode!r}")
+  if not (engine.arm.drafts and engine.decider.gated):
+    raise ValueError(f"engine: a quiet step needs a gated engine (the av arm with subset "
+                     f"drafting), got mode {engine.config.mode!r}")
   key, k_draft, k_verify = jax.random.split(state.key, 3)
   return _gated_step(engine, params, state, key=key, k_draft=k_draft, k_verify=k_verify,
                      quiet=True)

@@ -1,111 +1,224 @@
-"""Main job: Adaptive Verification against fixed K on the shipped models.
+"""Main job: what Adaptive Verification is for, on the shipped models, on two clocks.
 
-`make demo` (or `av-jax demo`) decodes held-out prompts of one workload with the shipped
-target and one drafter in three modes — target only, fixed verification of all K drafts,
-and AV with the online estimator — side by side in one run, and prints wall-clock
-throughput as ratios to fixed K, with tokens per step, verified drafts per step and the
-acceptance rate. Compilation and cost profiling happen before the timed runs.
+`make demo` (`av-jax demo`) decodes the mixed workload (code, prose, math and noisy
+prompts, interleaved) with the shipped target and one drafter, at a low and a high
+concurrency, in three kinds of arm: the target alone, fixed K (every request drafts and
+verifies K; the best of the K values run is the static choice a deployment could have
+tuned) and AV (`av_jax.policy`: who drafts, how deep and what is verified, from one
+priced choice). Each arm decodes the same prompts on two clocks, with each engine
+compiled once for both:
+
+* a modelled accelerator (`--clock`, default `h200:llama3-8b`): acceptance from the real
+  models run here, every step charged what that deployment would pay for what it did
+  (`av_jax.engine.clock`), and AV deciding with the same tables;
+* this machine's wall clock: AV decides with the modelled tables of the shipped shapes on
+  this machine's measured rates (`av_jax.compare.machine_tables`; no profiling).
+
+It prints one table per concurrency (tokens/s on each clock, and each arm's ratio to the
+target alone) and a paragraph generated from the numbers: where speculation paid and
+where it did not, and how AV compares with the best fixed K.
+
+Example (a run's table at concurrency 32; tokens/s, and the ratio to the target alone):
+
+    concurrency 32          modelled h200:llama3-8b      wall clock (this machine)
+      arm                 tok/s  vs target best static        tok/s  vs target best static
+      target_only        5450.9      1.000                    197.8      1.000           *
+      fixed:2            7471.0      1.371           *        159.4      0.806
+      fixed:4            6925.3      1.270                    116.7      0.590
+      av                 7052.9      1.294                    194.4      0.983
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 import time
+from typing import Callable, Mapping, Sequence
 
 import jax
-import numpy as np
 
-from av_jax import data
-from av_jax.arms import get_arm
+from av_jax import compare as C
 from av_jax._flags import at_least, model_set, temperature, top_p
-from av_jax import engine as E
-from av_jax import models as M
-from av_jax.engine import profile as prof
+
+DEFAULT_CONCURRENCY = "1,32"  # a low and a high concurrency
+DEFAULT_ARMS = "target_only,fixed:2,fixed:4,av"
+DEFAULT_CLOCK = "h200:llama3-8b"
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-  p.add_argument("--models", default="default", type=model_set,
-                 help="shipped model set name")
-  p.add_argument("--drafter", default="block", choices=("draft_lm", "eagle", "block",
-                                                        "block_head"))
-  p.add_argument("--workload", default="code", choices=("code", "prose", "math", "noisy"))
-  p.add_argument("--slots", type=at_least(1), default=16, help="B, concurrent request slots")
-  p.add_argument("--k", type=at_least(1), default=8, help="K, maximum draft length")
-  p.add_argument("--requests", type=at_least(1), default=32, help="requests decoded per mode")
+  p.add_argument("--models", default="default", type=model_set, help="shipped model set name")
+  p.add_argument("--drafter", default="eagle", choices=("draft_lm", "eagle", "block"),
+                 help="the drafter of every speculative arm")
+  p.add_argument("--workload", default=C.MIXED,
+                 choices=(C.MIXED, "code", "prose", "math", "noisy"))
+  p.add_argument("--concurrency", default=DEFAULT_CONCURRENCY,
+                 type=_checked(lambda t: C._int_list("concurrency", t)),  # pylint: disable=protected-access
+                 help="comma-separated concurrencies (slots B): a low and a high one")
+  p.add_argument("--slots", type=at_least(1), default=None,
+                 help="one concurrency B (instead of --concurrency)")
+  p.add_argument("--arms", default=DEFAULT_ARMS, type=_checked(C.parse_arms),
+                 help="comma-separated arms: target_only, fixed:K, av (av_jax.arms)")
+  p.add_argument("--clock", default=DEFAULT_CLOCK, type=_checked(C.parse_clock),
+                 help="the modelled clock: DEVICE:SHAPE (e.g. h200:llama3-8b) or a cost-table "
+                      ".json")
+  p.add_argument("--k", type=at_least(1), default=8, help="K of arms given without :K")
+  p.add_argument("--requests", type=at_least(1), default=4,
+                 help="requests per run at least (a run decodes max(this, B) requests)")
   p.add_argument("--prompt-len", type=at_least(1), default=32, help="prompt tokens")
-  p.add_argument("--max-new", type=at_least(1), default=64, help="tokens generated per request")
+  p.add_argument("--max-new", type=at_least(1), default=24, help="tokens generated per request")
   p.add_argument("--temperature", type=temperature, default=1.0, help="0 = greedy")
   p.add_argument("--top-p", type=top_p, default=0.95, help="nucleus mass in (0, 1]")
-  p.add_argument("--repeats", type=at_least(1), default=1, help="timed runs per mode")
+  p.add_argument("--repeats", type=at_least(1), default=1,
+                 help="timed runs per arm and clock, interleaved")
   p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--json", default=None, help="also write both comparisons' JSON here")
 
 
-def run_modes(pair, *, modes, slots, k, requests, prompt_len, max_new, temperature, top_p,
-              workload, seed=0, repeats=1, log=print) -> dict[str, dict]:
-  """Decodes the same prompts in every mode; returns per-mode figures (importable)."""
-  prompts = data.prompts(workload, tokenizer=pair.tokenizer, num=requests, length=prompt_len,
-                         seed=seed).tolist()
-  params = E.Params(target=pair.target_params, drafter=pair.drafter_params)
-  max_len = prompt_len + max_new + k + 8
-  rows = {}
-  engines = {}
-  for mode in modes:
-    config = E.EngineConfig(num_slots=slots, max_draft=k, max_len=max_len, mode=mode,
-                            temperature=temperature, top_p=top_p, eos_id=-1,
-                            steps_per_chunk=8, refit_interval=20)
-    engine = E.make_engine(config, pair.cfg, pair.drafter)
-    cost = None
-    if get_arm(mode).adaptive:
-      start = time.perf_counter()
-      cost, profile = prof.profile_costs(engine, params)
-      log(f"[{mode}] cost profile ({time.perf_counter() - start:.1f} s):\n"
-          + prof.format_profile(profile))
-    start = time.perf_counter()
-    E.generate(engine, params, prompts[:slots], max_new_tokens=k + 2,
-               key=jax.random.PRNGKey(seed), cost=cost)  # compile + warm-up
-    log(f"[{mode}] compiled in {time.perf_counter() - start:.1f} s")
-    engines[mode] = (engine, cost)
-  for r in range(repeats):  # interleaved, so machine noise hits every mode alike
-    for mode in modes:
-      engine, cost = engines[mode]
-      start = time.perf_counter()
-      result = E.generate(engine, params, prompts, max_new_tokens=max_new,
-                          key=jax.random.PRNGKey(seed + 1 + r), cost=cost)
-      elapsed = time.perf_counter() - start
-      s = result.stats
-      rows.setdefault(mode, []).append(dict(
-          seconds=elapsed, tokens=s["emitted"], steps=s["steps"],
-          tokens_per_s=s["emitted"] / elapsed, tokens_per_step=s["emitted"] / s["steps"],
-          verified_per_step=s["verified"] / s["steps"],
-          acceptance=s["accepted"] / max(s["labeled"], 1)))
-  return {m: {key: float(np.median([row[key] for row in rs])) for key in rs[0]}
-          for m, rs in rows.items()}
+def _checked(parse):
+  """An argparse `type` from a parser that raises ValueError (message kept)."""
+  def check(text):
+    try:
+      parse(text)
+    except ValueError as e:
+      raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+  return check
 
 
-def format_table(rows: dict[str, dict], base: str = "fixed") -> str:
-  lines = [f"{'mode':>12} {'tok/s':>8} {'vs fixed':>8} {'tok/step':>8} {'verified/step':>13} "
-           f"{'accept':>7}"]
-  for mode, r in rows.items():
-    ratio = r["tokens_per_s"] / rows[base]["tokens_per_s"] if base in rows else float("nan")
-    lines.append(f"{mode:>12} {r['tokens_per_s']:8.1f} {ratio:8.3f} {r['tokens_per_step']:8.2f} "
-                 f"{r['verified_per_step']:13.1f} {r['acceptance']:7.3f}")
+class Progress:
+  """One line per event, with the seconds since the demo started (stdout, flushed)."""
+
+  def __init__(self, out=None):
+    self.start = time.perf_counter()
+    self.out = out or sys.stdout
+
+  def __call__(self, message: str) -> None:
+    self.out.write(f"[{time.perf_counter() - self.start:5.0f} s] {message}\n")
+    self.out.flush()
+
+
+def _compare_log(progress: Callable[[str], None], clock: str) -> Callable[[str], None]:
+  """compare's log lines as progress lines: compiles as they finish, a group's table as
+  'decoded'."""
+  def log(line: str) -> None:
+    if line.startswith("  compiled"):
+      progress(line.strip())
+    else:
+      head = line.split("  [", 1)[0]
+      progress(f"decoded {head} on the {clock} clock")
+  return log
+
+
+def run(args, *, progress: Callable[[str], None] | None = None,
+        pairs: Mapping | None = None, prompts=None) -> dict:
+  """Both comparisons; returns `{"modelled": result, "wall": result}` (`C.compare`'s).
+
+  `pairs` and `prompts` replace the shipped models and workload prompts (tests)."""
+  progress = progress or Progress()
+  concurrency = (args.slots,) if args.slots else C._int_list("concurrency", args.concurrency)  # pylint: disable=protected-access
+  compiled: dict = {}  # engines shared by both clocks: each compiles once
+  common = dict(drafters=args.drafter, workloads=args.workload, concurrency=concurrency,
+                arms=args.arms, repeats=args.repeats, models=args.models,
+                max_draft=args.k, max_new=args.max_new, prompt_len=args.prompt_len,
+                requests_per_slot=1, min_requests=args.requests,
+                temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+                compiled=compiled, pairs=pairs, prompts=prompts)
+  progress(f"compiling and decoding on the modelled clock {args.clock} ...")
+  modelled = C.compare(clock=args.clock, log=_compare_log(progress, "modelled"), **common)
+  progress("decoding again on this machine's wall clock (engines compiled above) ...")
+  wall = C.compare(clock="wall", log=_compare_log(progress, "wall"),
+                   wall_cost=lambda pair, engine: C.machine_tables(
+                       args.models, pair.drafter.kind, engine.config).cost, **common)
+  return dict(modelled=modelled, wall=wall)
+
+
+def _index(result: Mapping) -> dict:
+  return {(r["concurrency"], r["arm"]): r for r in result["results"]}
+
+
+def format_tables(results: Mapping, *, clock: str) -> str:
+  """One table per concurrency: tokens/s on both clocks and the ratio to target only."""
+  m, w = _index(results["modelled"]), _index(results["wall"])
+  lines = []
+  for c in sorted({c for c, _ in m}):
+    arms = [a for cc, a in m if cc == c]
+    lines += [f"concurrency {c:<4} {'modelled ' + clock:>30} {'wall clock (this machine)':>30}",
+              f"  {'arm':<12} {'tok/s':>12} {'vs target':>10} {'best static':>6}"
+              f" {'tok/s':>12} {'vs target':>10} {'best static':>6}"]
+    for arm in arms:
+      cells = []
+      for index in (m, w):
+        r, base = index.get((c, arm)), index.get((c, "target_only"))
+        if r is None:
+          cells.append(f"{'':>12} {'':>10} {'':>11}")
+          continue
+        ratio = r["tokens_per_s"] / base["tokens_per_s"] if base else float("nan")
+        best = "*" if r["arm"] == r.get("best_static") else ""
+        cells.append(f"{r['tokens_per_s']:12.1f} {ratio:10.3f} {best:>11}")
+      lines.append(f"  {arm:<12} " + " ".join(cells))
+    lines.append("")
+  lines.append("  * the best static arm (target only or a fixed K) of that clock and concurrency")
   return "\n".join(lines)
 
 
+def _clock_sentence(index: Mapping, concurrency: Sequence[int], name: str) -> str:
+  """Where speculation paid on one clock, and AV against the best static arm."""
+  paid, lost, av = [], [], []
+  for c in concurrency:
+    base = index.get((c, "target_only"))
+    fixed = [r for (cc, a), r in index.items() if cc == c and r["mode"] == "fixed"]
+    best_fixed = max(fixed, key=lambda r: r["tokens_per_s"], default=None)
+    if base and best_fixed:
+      ratio = best_fixed["tokens_per_s"] / base["tokens_per_s"]
+      (paid if ratio > 1.0 else lost).append(f"{c} ({best_fixed['arm']} at {ratio:.2f}x the "
+                                             f"target alone)")
+    r = index.get((c, "av"))
+    if r is not None and r.get("vs_best_static") is not None:
+      av.append(f"{r['vs_best_static']:.2f}x the best static arm ({r['best_static']}) at "
+                f"concurrency {c}, drafting on {100 * (r['drafted_share'] or 0):.0f}% of steps")
+  parts = []
+  if paid:
+    parts.append(f"speculation paid at concurrency {' and '.join(paid)}")
+  if lost:
+    parts.append(f"it did not at {' and '.join(lost)}" if paid else
+                 f"speculation did not pay at concurrency {' and '.join(lost)}")
+  text = f"On {name}, " + ", ".join(parts) + "." if parts else f"On {name}, no fixed K ran."
+  if av:
+    text += " AV, which does not know the best K in advance, reached " + "; ".join(av) + "."
+  return text
+
+
+def summary(results: Mapping, *, clock: str) -> str:
+  """The paragraph: where speculation paid and where not, on each clock, from the numbers."""
+  m, w = _index(results["modelled"]), _index(results["wall"])
+  concurrency = sorted({c for c, _ in m})
+  return (_clock_sentence(m, concurrency, f"the modelled {clock}") + " "
+          + _clock_sentence(w, concurrency, "this machine's wall clock") + " "
+          "Both clocks decode the same prompts with the same models, so what is accepted is "
+          "the same; they differ in what a step costs.")
+
+
 def main(args) -> None:
-  start = time.perf_counter()
-  pair = M.load(args.models, drafter=args.drafter)
-  modes = ["target_only", "fixed", "av"] + (["av_head"] if args.drafter == "block_head" else [])
-  print(f"av_jax demo: models={args.models} drafter={args.drafter} ({pair.drafter.drafting}) "
-        f"workload={args.workload} B={args.slots} K={args.k} T={args.temperature} "
-        f"top_p={args.top_p} requests={args.requests} x {args.max_new} tokens, "
-        f"device={jax.devices()[0].device_kind}")
-  rows = run_modes(pair, modes=modes, slots=args.slots, k=args.k, requests=args.requests,
-                   prompt_len=args.prompt_len, max_new=args.max_new,
-                   temperature=args.temperature, top_p=args.top_p, workload=args.workload,
-                   seed=args.seed, repeats=args.repeats)
-  print(format_table(rows))
-  print(f"done in {time.perf_counter() - start:.1f} s")
+  progress = Progress()
+  concurrency = (args.slots,) if args.slots else C._int_list("concurrency", args.concurrency)  # pylint: disable=protected-access
+  print(f"av_jax demo: models={args.models}, drafter={args.drafter}, workload={args.workload}, "
+        f"concurrency {','.join(map(str, concurrency))}, arms {args.arms}, "
+        f"max(B, {args.requests}) requests x {args.max_new} tokens, K={args.k}, "
+        f"repeats={args.repeats}; clocks: {args.clock} (modelled) and wall "
+        f"({jax.devices()[0].device_kind})", flush=True)
+  load = os.getloadavg()[0]
+  results = run(args, progress=progress)
+  print()
+  print(format_tables(results, clock=args.clock))
+  print()
+  print(summary(results, clock=args.clock))
+  print(f"Wall figures: {args.repeats} run(s) per arm; load average {load:.1f} at the start, "
+        f"{os.getloadavg()[0]:.1f} at the end ({os.cpu_count()} CPUs).")
+  if args.json:
+    C.write_json(args.json, results)
+  print(f"done in {time.perf_counter() - progress.start:.1f} s"
+        + (f"; JSON in {args.json}" if args.json else ""), flush=True)
 
 
 if __name__ == "__main__":

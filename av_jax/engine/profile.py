@@ -1,4 +1,4 @@
-"""Start-up cost profiling: measured step-cost tables for the planner (docs/algorithm.md section 8).
+"""Start-up cost profiling: measured step-cost tables for the decision.
 
 Every bucket's verify program (the target's packed forward on T tokens) and the drafter
 are timed on the device in use: warm-up, then the median of `repeats` runs. The verify
@@ -87,9 +87,9 @@ def measure(engine: core.Engine, params: core.Params, *, repeats: int = 5) -> di
   profile = dict(device_kind=jax.devices()[0].device_kind, buckets=buckets[:len(timed)],
                  bucket_ms=bucket_ms, skipped_buckets=buckets[len(timed):], draft_ms=draft_ms,
                  repeats=repeats, verify_groups=G)
-  if engine.decider.planner.gated:
-    # Under the gate a step drafts for E rows (a draft bucket), so drafting costs what
-    # the bucket holding the drafting requests costs.
+  if engine.decider.gated:
+    # Under subset drafting a step drafts for E rows (a draft bucket), so drafting costs
+    # what the bucket holding the drafting requests costs.
     sizes = cfg.draft_bucket_sizes()
     profile["draft_buckets"] = list(sizes)
     def draft_timer(e):
@@ -102,7 +102,7 @@ def measure(engine: core.Engine, params: core.Params, *, repeats: int = 5) -> di
   if core._stepwise(engine):
     # Pass pricing charges c of K passes `fixed + (c / K) (full - fixed)`: the fixed part
     # from the drafter's program at depth 1 (its first pass consumes the K + 1 pending
-    # columns and costs more than a later one). Per draft bucket under the gate.
+    # columns and costs more than a later one). Per draft bucket under subset drafting.
     def first_timer(e):
       rows = dstate if e == B else drafters.take_slots(dstate, jnp.arange(e, dtype=jnp.int32))
       return lambda: _median_ms(draft_first, params.drafter, params.target, rows,
@@ -117,19 +117,11 @@ def measure(engine: core.Engine, params: core.Params, *, repeats: int = 5) -> di
     sizes = profile.get("draft_buckets", [B])
     profile["draft_first_ms"] = retime_falls([first_timer(e) for e in sizes],
                                               min_rounds=PROGRAM_ROUNDS)
-  if engine.decider.planner.gated:
+  if engine.decider.gated:
     profile["step_ms"] = retime_regimes(
         profile, lambda: whole_step_ms(engine, params, state, repeats=repeats),
         num_slots=B, max_tokens=B * (K + 1), min_rounds=STEP_ROUNDS)
   return profile
-
-
-def shallow_regime(engine: core.Engine) -> bool:
-  """Whether `whole_step_ms` times the "shallow" regime: an autoregressive drafter under
-  pass pricing (the batch's depth cap), which drafts a few of its K depths while open."""
-  planner = engine.decider.planner
-  return (core._stepwise(engine) and planner.stop == "survival"
-          and planner.config.stop_price_passes)
 
 
 def retime_regimes(profile: dict, timer, *, num_slots: int, max_tokens: int,
@@ -137,13 +129,11 @@ def retime_regimes(profile: dict, timer, *, num_slots: int, max_tokens: int,
   """Whole-step times (`timer() -> whole_step_ms`'s dict) whose anchors are in order.
 
   The verify table is anchored on the regimes (`verify_table`), so a regime timed under
-  a load spike prices every step: a gated-off step timed above the drafting regimes
-  made drafting look free (the table keeps its running maximum), and the profile stays
-  cached. Every regime is timed `min_rounds` times (whole rounds, one after another) and
-  keeps its smallest time: load only adds time, and a spike that leaves the regimes in
-  order is invisible to the check below (an eagle B = 2 profile timed its drafting
-  regimes 1.6x what they cost a minute later, its gated-off step 1.1x, and the gate then
-  priced drafting at depth 1 - 4 at 1.4 - 1.5x its cost and never opened). Then, where
+  a load spike prices every step: a step without drafting timed above the drafting
+  regimes makes drafting look free (the table keeps its running maximum), and the
+  profile stays cached. Every regime is timed `min_rounds` times (whole rounds, one after
+  another) and keeps its smallest time: load only adds time, and a spike that leaves the
+  regimes in order is invisible to the check below. Then, where
   an anchor at more tokens costs less than one at fewer, every regime is timed again and
   keeps its smaller time, up to `rounds` times.
   """
@@ -162,7 +152,7 @@ def retime_regimes(profile: dict, timer, *, num_slots: int, max_tokens: int,
   return steps
 
 
-_REGIMES = ("skip", "one", "full", "shallow")
+_REGIMES = ("skip", "one", "full")
 
 
 def retime_falls(timers, *, rounds: int = 2, min_rounds: int = 1) -> list[float]:
@@ -170,8 +160,7 @@ def retime_falls(timers, *, rounds: int = 2, min_rounds: int = 1) -> list[float]
   every entry that costs more than a later one, keeping the smaller time, up to `rounds`
   times. Load on a shared machine only adds time, so a spike is an entry above what more
   work cost; left alone, the tables' running maximum would spread it over every larger
-  entry (a B = 1 profile measured under load priced T = 2 at 2.1x T = 1 that way, and
-  the gate then never drafted). Every entry is first timed `min_rounds` times (rounds
+  entry. Every entry is first timed `min_rounds` times (rounds
   over all entries) and keeps its smallest time, which also catches a spike that leaves
   the table in order. What stays non-monotone is repaired by `make_cost_model`.
   """
@@ -195,19 +184,13 @@ def whole_step_ms(engine: core.Engine, params: core.Params, state: core.DecodeSt
   V]`, packing, the drafter's commit and catch-up and the decision cost time too, and on
   a CPU or at small batch they can outweigh the target's forward. This runs the
   engine's jitted chunk (`batching.compiled`, the very program decoding runs) with every
-  slot active, mid-cache, in three fixed regimes, the gate's state reset before each
-  step: "skip", a gated-off step (no slot drafts, no re-check due: a target-only step of
+  slot active, mid-cache, in three fixed regimes, the decision's state set before each
+  step (`decider.regime`): "skip", a step on which no slot drafts (a target-only step of
   B requests; in the quiet program, `core.run_mode`, where the engine runs one); "one", slot 0 alone drafting all K and verifying them (the smallest draft
-  bucket: the step a gate that keeps a few slots drafting runs most); "full", every slot
-  drafting all K and verifying them (free verification in the plan, no survival stop);
-  with pass pricing (`shallow_regime`) also "shallow", every slot drafting under a depth
-  cap of 1 (drafter passes priced so dear that the cap stays there but for the probe
-  after an exploration step, and every slot's verdict so far above zero that it stays
-  open): the step the gate runs most for an autoregressive drafter, its whole-step
-  overhead (gather, settle, rejection over K + 1 columns, scatter) paid for one or two
-  passes. Returns `{"skip", "one", "full"(, "shallow"): ms per step, "<regime>_rows":
-  drafter rows run, "<regime>_verified": drafts verified per step (not "skip"),
-  "shallow_passes": drafter passes per step}`.
+  bucket: a plan that drafts a few slots); "full", every slot drafting all K and
+  verifying them (free verification in the plan). Returns `{"skip", "one", "full": ms
+  per step, "<regime>_rows": drafter rows run, "<regime>_verified": drafts verified per
+  step (not "skip")}`.
   """
   cfg = engine.config
   B, K, M, S = cfg.num_slots, cfg.max_draft, cfg.max_len, cfg.steps_per_chunk
@@ -216,15 +199,8 @@ def whole_step_ms(engine: core.Engine, params: core.Params, state: core.DecodeSt
   free = make_cost_model(np.zeros(B + 1), 1.0 + 1e-6 * np.arange(B * (K + 1) + 1))
   free = jax.tree.map(lambda new, old: jnp.asarray(new, old.dtype), free, state.cost)
   default = state.cost
-  if hasattr(engine.decider, "regime"):
-    regimes = {name: engine.decider.regime(planner, name) for name in ("skip", "one", "full")}
-  else:
-    regimes = _planner_regimes(engine, planner)
-  # Passes priced dear (1e3 a pass against a verify table of ~1): (R + g_1) / 1 >=
-  # (R + g_1 + g_2) / 2 since g_2 <= R, so a depth of 1 is always the best cap.
-  pricey = make_cost_model(np.full(B + 1, 1e3 * K), 1.0 + 1e-6 * np.arange(B * (K + 1) + 1))
-  pricey = jax.tree.map(lambda new, old: jnp.asarray(new, old.dtype), pricey, state.cost)
-  tables = {"skip": default, "shallow": pricey}
+  regimes = {name: engine.decider.regime(planner, name) for name in ("skip", "one", "full")}
+  tables = {"skip": default}
   chunk = batching.compiled(engine)[1]
   if core.splits_quiet(engine):  # a gated-off step runs in the quiet program (`run_mode`)
     quiet_program = batching.compiled_modes(engine)[0]
@@ -253,24 +229,17 @@ def whole_step_ms(engine: core.Engine, params: core.Params, state: core.DecodeSt
       out[f"{name}_verified"] = float(np.mean(info.verified))
       out[f"{name}_rows"] = int(np.max(info.draft_rows))
       out[f"{name}_row_steps"] = [int(r) for r in np.asarray(info.draft_rows)]
-    if name == "shallow":
-      out["shallow_passes"] = float(np.mean(info.draft_passes))
-      out["shallow_verified_steps"] = [int(v) for v in np.asarray(info.verified)]
   return out
 
 
 def step_anchors(profile: dict, *, num_slots: int, max_tokens: int) -> list[tuple[int, float]]:
   """The verify costs whole steps measured: `[(T, ms)]`, T the tokens a regime verifies.
 
-  From `profile["step_ms"]` (docs/algorithm.md 8.2): a gated-off step verifies B tokens
+  From `profile["step_ms"]`: a step that drafts nothing verifies B tokens
   and costs `skip`; the one-slot step verifies B + K and costs `one` less the smallest
   draft bucket's program (on each step, the bucket of the rows that ran: full backlogs
   absorbed there widen it); the full step verifies B (K + 1) and costs `full` less the
-  drafter's program for all B slots; the shallow step (pass pricing) verifies B + its
-  mean drafts verified and costs `shallow` less its passes priced by the drafter's
-  tables (`draft_share_cost(B, passes / K)`), at the tokens of its median step (so the
-  anchor carries exploration's amortized extra verification). Empty for a profile without whole-step
-  times.
+  drafter's program for all B slots. Empty for a profile without whole-step times.
   """
   steps = profile.get("step_ms")
   if not steps:
@@ -279,15 +248,6 @@ def step_anchors(profile: dict, *, num_slots: int, max_tokens: int) -> list[tupl
   K = (T - B) // B
   anchors = [(B, float(steps["skip"]))]
   draft, fixed = _program_tables(profile, num_slots=B)
-  if "shallow" in steps:
-    share = float(steps["shallow_passes"]) / K
-    priced = fixed[B] + share * (draft[B] - fixed[B])
-    # At the tokens of its typical step (the median: an exploring slot's extra drafts
-    # on every `explore_every`-th step are verified too, and their cost stays in the
-    # anchor: what a step costs on average while the gate is open at that cap).
-    typical = steps.get("shallow_verified_steps") or [steps["shallow_verified"]]
-    tokens = min(B + int(round(float(np.median(typical)))), T)
-    anchors.append((tokens, float(steps["shallow"]) - priced))
   if "one" in steps:
     draft_one = (profile["draft_bucket_ms"][0] if "draft_bucket_ms" in profile
                  else profile["draft_ms"])
@@ -445,17 +405,7 @@ def cost_model_from_profile(profile: dict, *, num_slots: int, max_tokens: int) -
 
 
 # Bumped whenever what `measure` times changes, so older cached profiles are not reused.
-PROFILE_VERSION = 15  # 3: draft times per draft bucket under the gate; 4, 5: whole steps;
-# 6: the verify pass reads the cache (`Target.verify_read`), as the engine now runs it;
-# 7: entries above a later one re-timed (`retime_falls`): profiles cached before carried
-# load spikes; 8: per-slot verify attention (`Target.verify_read_width`), a gated-off
-# step's plain pass; 9: the programs of 7 again (8 reverted); 10: the programs of 8 again;
-# 11: whole-step regimes out of order re-timed (`retime_regimes`); 12: depth-1 drafter
-# programs (`draft_first_ms`) and the "shallow" regime under pass pricing; 13: "skip" times
-# the quiet program (`core.run_mode`) where the engine runs one; 14: every entry timed in
-# `PROGRAM_ROUNDS` / `STEP_ROUNDS` rounds, its smallest kept (a spike in order was cached);
-# 15: an autoregressive drafter's first pass runs its query, MLP and head on the newest
-# pending column only (`pick`): its drafting programs and regimes got cheaper
+PROFILE_VERSION = 16  # what `measure` times; a change makes cached profiles stale
 
 
 def cache_key(engine: core.Engine) -> str:
@@ -552,13 +502,10 @@ def format_profile(profile: dict) -> str:
                    profile.get("draft_buckets", [profile["buckets"][0]]),
                    profile["draft_first_ms"]))]
              if "draft_first_ms" in profile else []),
-           *([f"whole step (all slots active): gated off {profile['step_ms']['skip']:.3f} ms, "
+           *([f"whole step (all slots active): none drafting {profile['step_ms']['skip']:.3f} ms, "
               f"one slot drafting {profile['step_ms'].get('one', float('nan')):.3f} ms, "
               f"all drafting {profile['step_ms']['full']:.3f} ms"
-              + (f", all at depth cap 1 {profile['step_ms']['shallow']:.3f} ms "
-                 f"({profile['step_ms']['shallow_passes']:.2f} passes)"
-                 if "shallow" in profile["step_ms"] else "")
-              + " (docs/algorithm.md 8.2)"]
+              ]
              if profile.get("step_ms") else []),
            *([f"verify priced at whole steps: " + ", ".join(
                f"T = {t}: {ms:.3f} ms" for t, ms in step_anchors(
@@ -576,29 +523,3 @@ def format_profile(profile: dict) -> str:
   for size, ms in zip(profile["buckets"], profile["bucket_ms"]):
     lines.append(f"{size:>9} {ms:>10.3f} {ms / size:>9.4f}")
   return "\n".join(lines)
-
-
-def _planner_regimes(engine, planner):
-  cfg = engine.config
-  B, K = cfg.num_slots, cfg.max_draft
-  regimes = {
-      "skip": planner._replace(slot_pays=jnp.zeros_like(planner.slot_pays),
-                               next_recheck=jnp.asarray(2**30, planner.step.dtype),
-                               step=jnp.ones_like(planner.step)),
-      "one": planner._replace(slot_pays=jnp.arange(B) == 0,
-                              budget=jnp.asarray(K, planner.budget.dtype),
-                              tau=jnp.zeros_like(planner.tau),
-                              depth_cap=jnp.zeros_like(planner.depth_cap),
-                              step=jnp.ones_like(planner.step)),
-      "full": planner._replace(slot_pays=jnp.ones_like(planner.slot_pays),
-                               budget=jnp.asarray(B * K, planner.budget.dtype),
-                               tau=jnp.zeros_like(planner.tau),
-                               depth_cap=jnp.zeros_like(planner.depth_cap),
-                               step=jnp.ones_like(planner.step))}
-  if shallow_regime(engine):
-    regimes["shallow"] = planner._replace(
-        slot_pays=jnp.ones_like(planner.slot_pays),
-        pay_margin=jnp.full_like(planner.pay_margin, 1e6),
-        budget=jnp.asarray(B, planner.budget.dtype), tau=jnp.zeros_like(planner.tau),
-        depth_cap=jnp.ones_like(planner.depth_cap), step=jnp.ones_like(planner.step))
-  return regimes

@@ -27,7 +27,7 @@ cache and returns the tokens' entries (`writes`, token axis T at `write_axis`), 
 `write(cache, writes, slot=[N], positions=[N], valid=[N])` writes them (the engine passes
 them re-ordered, N >= T). With them the engine writes the cache after its bucket switch,
 in place; without them each bucket's `verify` writes it, and XLA copies the whole cache
-once per step of an engine whose steps choose between programs (the skip-drafting gate).
+once per step of an engine whose steps choose between programs (subset drafting).
 
 With `verify_read_width` the engine also passes `slot_width=W` to `verify_read`: at
 most W valid tokens of one slot are in the pass (av_jax's transformer then attends

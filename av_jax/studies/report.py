@@ -145,9 +145,8 @@ def analyse_throughput(rows: list[dict], s) -> dict:
 
 
 def versus(rows: list[dict]) -> list[dict]:
-  """Per (drafter, workload, concurrency) with an AV arm: AV (survival stop) against the
-  best static arm of the group, target only, AV without survival stop and the best
-  confidence-stop arm; the oracle against the best static arm; drafter passes per step.
+  """Per (drafter, workload, concurrency) with an AV arm: AV against the best static arm
+  of the group, target only and the best confidence-stop arm; the oracle against the best static arm; drafter passes per step.
   Ratios of medians over repeats (`compare.records`)."""
   recs = compare.records(rows)
   out = []
@@ -157,7 +156,6 @@ def versus(rows: list[dict]) -> list[dict]:
     one = lambda pred: next((r for r in group if pred(r)), None)
     ratio = lambda other: av["tokens_per_s"] / other["tokens_per_s"] if other else None
     best = one(lambda r: r["arm"] == av["best_static"])
-    nostop = one(lambda r: r["mode"] == "av-no-stop")
     target = one(lambda r: r["mode"] == "target_only")
     oracle = one(lambda r: r["mode"] == "oracle")
     conf = max((r for r in group if r["mode"].startswith("confstop")),
@@ -168,12 +166,11 @@ def versus(rows: list[dict]) -> list[dict]:
         best_static=av["best_static"], av_tokens_per_s=av["tokens_per_s"],
         av_vs_best_static=av["vs_best_static"],
         av_steady_vs_best_static=av["steady_vs_best_static"],
-        av_vs_target_only=ratio(target), av_vs_no_stop=ratio(nostop),
+        av_vs_target_only=ratio(target),
         best_confstop=conf and conf["arm"], av_vs_best_confstop=ratio(conf),
         oracle_vs_best_static=(oracle["tokens_per_s"] / best["tokens_per_s"]
                                if oracle and best else None),
         av_passes_per_step=av["draft_passes_per_step"],
-        no_stop_passes_per_step=nostop and nostop["draft_passes_per_step"],
         av_drafted_share=av["drafted_share"]))
   return out
 
@@ -280,16 +277,7 @@ def goals(results: dict, s) -> list[list]:
                   "best: " + (f"{where(best)} {_f(best['av_vs_best_static'], 3)}x" if best
                               else "not measured"),
                   _verdict(bool(best) and best["av_vs_best_static"] >= 1.10)])
-    stop = [v for v in vs if v["av_vs_no_stop"] is not None and v["drafter"] in
-            ("eagle", "draft_lm") and v["concurrency"] >= 16]
-    out.append(_ratio_goal(f"{clock}: AV with early stop >= 1.05x AV without it at "
-                           "concurrency >= 16 (autoregressive drafters)",
-                           [(where(v), v["av_vs_no_stop"]) for v in stop], 1.05))
-    if clock == "wall":
-      out.append(_ratio_goal("wall: AV with early stop never below 0.98x AV without it",
-                             [(where(v), v["av_vs_no_stop"]) for v in vs
-                              if v["av_vs_no_stop"] is not None], 0.98))
-    else:
+    if clock != "wall":
       conf = [v for v in vs if v["av_vs_best_confstop"] is not None]
       out.append(_ratio_goal("modelled: AV >= 1.0x the best confidence-stop arm everywhere",
                              [(where(v) + f" ({v['best_confstop']})", v["av_vs_best_confstop"])
@@ -654,7 +642,7 @@ def _plots(out_dir: str, results: dict, s) -> dict[str, str]:
       save(fig, "modelled_pareto.png")
       break  # one drafter's picture (the first); the tables hold every drafter
     fig, ax = plt.subplots(figsize=(6.4, 3.8))
-    series = [("av_vs_best_static", "AV / best static"), ("av_vs_no_stop", "AV / AV no stop"),
+    series = [("av_vs_best_static", "AV / best static"),
               ("av_vs_best_confstop", "AV / best confidence stop"),
               ("oracle_vs_best_static", "oracle / best static")]
     for i, (field, label) in enumerate(series):
@@ -681,15 +669,15 @@ def _plots(out_dir: str, results: dict, s) -> dict[str, str]:
 def _versus_table(tp: dict) -> str:
   return _table(
       ["drafter", "workload", "B", "best static", "AV tok/s", "AV / best static",
-       "AV / target only", "AV / AV no stop", "AV / best conf. stop", "oracle / best static",
-       "passes/step AV", "passes/step no stop", "AV steps drafting %"],
+       "AV / target only", "AV / best conf. stop", "oracle / best static",
+       "passes/step AV", "AV steps drafting %"],
       [[v["drafter"], v["workload"], v["concurrency"], v["best_static"],
         _f(v["av_tokens_per_s"], 1), _f(v["av_vs_best_static"], 3),
-        _f(v["av_vs_target_only"], 3), _f(v["av_vs_no_stop"], 3),
+        _f(v["av_vs_target_only"], 3),
         "" if v["best_confstop"] is None else
         f"{_f(v['av_vs_best_confstop'], 3)} ({v['best_confstop']})",
         _f(v["oracle_vs_best_static"], 3), _f(v["av_passes_per_step"], 2),
-        _f(v["no_stop_passes_per_step"], 2), _f(100 * v["av_drafted_share"], 0)]
+        _f(100 * v["av_drafted_share"], 0)]
        for v in tp["versus"]])
 
 
@@ -835,7 +823,7 @@ def _markdown(results: dict, s, plots: dict) -> str:
       rows.append([c] + cells)
     md += [_table(["concurrency"] + [f"{a} (total / per-request)" for a in arms], rows),
            "\n![Pareto](pareto.png) ![AV ratio](av_ratio.png)"]
-    md += ["\nAV (survival stop) against the other arms of its run (ratios of medians over "
+    md += ["\nAV against the other arms of its run (ratios of medians over "
            "repeats; `best static` is the fastest target-only or fixed-K arm of the same "
            "run, so it is K = 8 alone where only the on/off arms ran):\n", _versus_table(tp)]
   mo = results.get("modelled")

@@ -112,7 +112,7 @@ def label_prompts(s: Settings) -> int:
 
 
 def _pareto_arms(s: Settings) -> list:
-  return T.pareto_arms(s.pareto_ks, s.k, no_stop=s.no_stop_arm, confstop=s.confstop)
+  return T.pareto_arms(s.pareto_ks, s.k, confstop=s.confstop)
 
 
 def study_throughput(pairs, s: Settings, log, progress: bool, compiled: dict | None = None,
@@ -125,10 +125,10 @@ def study_throughput(pairs, s: Settings, log, progress: bool, compiled: dict | N
   # (drafter, workload) -> arms
   cases = {}
   for kind in s.on_off_drafters:
-    cases[(kind, "mixed")] = T.on_off_arms(s.k, no_stop=s.no_stop_arm)
+    cases[(kind, "mixed")] = T.on_off_arms(s.k)
   cases[(s.pareto_drafter, "mixed")] = _pareto_arms(s)
   for w in WORKLOADS if s.per_workload else ():
-    cases.setdefault((s.per_workload_drafter, w), T.on_off_arms(s.k, no_stop=s.no_stop_arm))
+    cases.setdefault((s.per_workload_drafter, w), T.on_off_arms(s.k))
   concurrencies = s.concurrencies if concurrencies is None else concurrencies
   return _sweep(sweeper, pairs, s, cases, concurrencies, s.repeats, log,
                 _bar(sum(len(a) for a in cases.values()) * len(concurrencies) * s.repeats,

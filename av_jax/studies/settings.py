@@ -43,10 +43,8 @@ class Settings:
   requests_per_slot: int = 1       # throughput requests = max(4, this * concurrency)
   throughput_max_new: int = 32
   repeats: int = 2
-  # Arms beyond fixed K and AV: AV without survival stop ("av-no-stop") in every sweep,
-  # and vLLM's batch-level confidence stop at each threshold of `confstop` in the Pareto
-  # sweeps (its goal compares AV with the best of them).
-  no_stop_arm: bool = True
+  # Arms beyond fixed K and AV: vLLM's batch-level confidence stop at each threshold of
+  # `confstop` in the Pareto sweeps (its goal compares AV with the best of them).
   confstop: tuple = (0.5, 0.8)
   # The same Pareto arms again on a modelled accelerator clock (`av_jax.compare`
   # DEVICE:SHAPE): the engine decodes here and every step is charged the deployment's

@@ -26,21 +26,18 @@ from av_jax.compare import summarize
 # The studies' arms are `compare`'s, with their own labels ("fixed K=4", "AV (K=8)").
 Arm = compare.ArmSpec
 
-__all__ = ("Arm", "Sweeper", "no_stop_arm", "on_off_arms", "pareto_arms", "pareto_front", "ratios",
+__all__ = ("Arm", "Sweeper", "on_off_arms", "pareto_arms", "pareto_front", "ratios",
            "summarize")
 
 
 def pareto_arms(ks: Sequence[int] = (0, 1, 2, 4, 6, 8), k_av: int = 8,
-                oracle: bool = True, no_stop: bool = False,
-                confstop: Sequence[float] = ()) -> list[Arm]:
-  """Fixed K (0 = target only), AV, optionally AV without survival stop and vLLM's
-  confidence stop at each threshold of `confstop`, and the oracle ceiling."""
+                oracle: bool = True, confstop: Sequence[float] = ()) -> list[Arm]:
+  """Fixed K (0 = target only), AV, vLLM's confidence stop at each threshold of
+  `confstop`, and the oracle ceiling."""
   arms = [Arm("target only (K=0)", "target_only", 1) if k == 0 else Arm(f"fixed K={k}",
                                                                         "fixed", k)
           for k in ks]
   arms.append(Arm(f"AV (K={k_av})", "av", k_av))
-  if no_stop:
-    arms.append(no_stop_arm(k_av))
   for t in confstop:
     if not 0.0 <= t <= 1.0:
       raise ValueError(f"confstop: expected thresholds in [0, 1], got {tuple(confstop)!r}")
@@ -50,13 +47,8 @@ def pareto_arms(ks: Sequence[int] = (0, 1, 2, 4, 6, 8), k_av: int = 8,
   return arms
 
 
-def no_stop_arm(k: int = 8) -> Arm:
-  return Arm(f"AV no stop (K={k})", "av-no-stop", k)
-
-
-def on_off_arms(k: int = 8, no_stop: bool = False) -> list[Arm]:
-  arms = [Arm(f"fixed K={k}", "fixed", k), Arm(f"AV (K={k})", "av", k)]
-  return arms + [no_stop_arm(k)] if no_stop else arms
+def on_off_arms(k: int = 8) -> list[Arm]:
+  return [Arm(f"fixed K={k}", "fixed", k), Arm(f"AV (K={k})", "av", k)]
 
 
 class Sweeper(compare.Runner):

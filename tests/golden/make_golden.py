@@ -44,14 +44,9 @@ REGENERATE = "python -m tests.golden.make_golden"
 PROMPTS = [[1, 2, 3], [4], list(range(5, 15)), [7, 7, 7, 7]]
 MAX_NEW = [7, 10, 5, 8]
 BASE = dict(num_slots=3, max_draft=3, max_len=40, steps_per_chunk=4, refit_interval=3,
-            explore_every=2, draft_recheck_every=4, num_buckets=3)
+            num_buckets=3)
 KINDS = ("draft_lm", "eagle", "block", "block_head")
 DEFAULT_KIND = "block_head"
-
-
-# The `av` cases were recorded with the decision now run by the `av-gate` arm; the priced
-# choice (`av`) is tested by its properties (tests/test_policy.py, tests/test_engine*.py).
-_RECORDED = {"av": "av-gate"}
 
 
 def _tiny_cases() -> dict[str, dict]:
@@ -61,21 +56,19 @@ def _tiny_cases() -> dict[str, dict]:
                                                          else ())
     for mode in modes:
       for temperature in (0.0, 1.0):
-        cases[f"{kind}/{mode}/t{temperature:g}"] = dict(kind=kind, mode=_RECORDED.get(mode, mode),
+        cases[f"{kind}/{mode}/t{temperature:g}"] = dict(kind=kind, mode=mode,
                                                          temperature=temperature)
   # Other code paths, combined to keep the runs few: nucleus sampling with an EOS stop,
-  # recorded features, verify groups, and a cost table under which drafting never pays
-  # (the draft gate closes).
-  cases["eagle/av/top_p_eos"] = dict(kind="eagle", mode="av-gate", temperature=1.0, top_p=0.7,
+  # recorded features, verify groups, and a cost table under which drafting never pays.
+  cases["eagle/av/top_p_eos"] = dict(kind="eagle", mode="av", temperature=1.0, top_p=0.7,
                                      eos_id=5)
-  cases["block/av/top_p_features"] = dict(kind="block", mode="av-gate", temperature=1.0,
+  cases["block/av/top_p_features"] = dict(kind="block", mode="av", temperature=1.0,
                                           top_p=0.7, record_features=True)
-  cases["draft_lm/av/groups"] = dict(kind="draft_lm", mode="av-gate", temperature=1.0,
+  cases["draft_lm/av/groups"] = dict(kind="draft_lm", mode="av", temperature=1.0,
                                      num_slots=4, verify_groups=2)
   for kind in ("block", "block_head"):
     mode = "av_head" if kind == "block_head" else "av"
-    cases[f"{kind}/{mode}/gate_closed"] = dict(kind=kind, mode=_RECORDED.get(mode, mode),
-                                               temperature=1.0,
+    cases[f"{kind}/{mode}/dear_drafts"] = dict(kind=kind, mode=mode, temperature=1.0,
                                                cost="dear_drafts")
   return cases
 
@@ -84,7 +77,7 @@ TINY_CASES = _tiny_cases()
 # The cases `tests/test_golden.py` re-runs in the primary suite (each compiles an engine,
 # ~4 s on CPU): every mode, drafter kind, policy and temperature, and the extra paths.
 # `python -m tests.golden.make_golden --check` compares every case.
-FAST_CASES = ("eagle/av/top_p_eos", "block/av/top_p_features", "block_head/av_head/gate_closed",
+FAST_CASES = ("eagle/av/top_p_eos", "block/av/top_p_features", "block_head/av_head/dear_drafts",
               "draft_lm/fixed/t0", "block/oracle/t1", "draft_lm/av/groups",
               "eagle/target_only/t0")
 
@@ -156,7 +149,7 @@ def run_default() -> dict:
   """One AV run on the shipped `default` model set (confidence-head drafter, sampling)."""
   pair = M.load("default", drafter=DEFAULT_KIND)
   config = engine_config(num_slots=2, max_draft=4, max_len=64, steps_per_chunk=4,
-                         refit_interval=3, mode="av-gate", temperature=1.0)
+                         refit_interval=3, mode="av", temperature=1.0)
   engine = E.make_engine(config, pair.cfg, pair.drafter)
   params = E.Params(target=pair.target_params, drafter=pair.drafter_params)
   prompts = [pair.tokenizer.encode("def add(a, b):"), pair.tokenizer.encode("The ")]

@@ -41,9 +41,11 @@ from av_jax.policy import StepCost
 from av_jax.policy import StepOutcome
 from av_jax.policy import choose
 from av_jax.policy import make_policy
+from av_jax.profiling import check_cost_covers
 from av_jax.profiling import profile_costs
 from av_jax.sampling import Sampling
 from av_jax.sampling import sampling_log_probs
+from av_jax.rejection import LogprobsTensors
 from av_jax.rejection import RejectionResult
 from av_jax.rejection import rejection_sample
 from av_jax.rejection import rejection_sample_ragged
@@ -68,6 +70,7 @@ __all__ = (
     "FEATURES",
     "FEATURE_CLIP",
     "Feature",
+    "LogprobsTensors",
     "OnlineEstimator",
     "POLICIES",
     "Plan",
@@ -77,6 +80,7 @@ __all__ = (
     "RejectionResult",
     "Sampling",
     "allocate",
+    "check_cost_covers",
     "choose_budget",
     "costs",
     "decision_step",

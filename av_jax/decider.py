@@ -189,11 +189,23 @@ class PolicyDecider:
     return out, decision._replace(planner=carry._replace(pending=pending))
 
   def learn(self, decision: DecisionState, features, accepted, labeled, *,
-            axis_name: str | None = None) -> DecisionState:
+            axis_name: str | None = None, learn=None) -> DecisionState:
+    """Feeds the step's outcome to the policy's parts. `learn`: `[B]` bool, requests
+    whose labels the estimator learns from (None: all); a request with a target-only
+    transform (a penalty, banned ids) passes False, and its positions reach the
+    estimator unlabelled. Its drafted features still feed the memory (they are the
+    drafter's, untouched by the transform)."""
     p = decision.planner.pending
+    labeled = jnp.asarray(labeled, bool)
+    if learn is not None:
+      learn = jnp.asarray(learn)
+      if learn.shape != labeled.shape[:1] or learn.dtype != jnp.bool_:
+        raise ValueError(f"learn: expected a [B={labeled.shape[0]}] bool mask of the "
+                         f"requests whose labels count, got {learn.dtype}{list(learn.shape)}")
+      labeled = labeled & learn[:, None]
     state = self.policy.learn(self._state(decision), P.StepOutcome(
         features=jnp.asarray(features, jnp.float32), drafted=p.drafted,
-        accepted=jnp.asarray(accepted, bool), labeled=jnp.asarray(labeled, bool),
+        accepted=jnp.asarray(accepted, bool), labeled=labeled,
         step_ms=p.step_ms, explore_ms=p.explore_ms), axis_name=axis_name)
     carry = decision.planner._replace(memory=state.memory, explore=state.explore)
     return DecisionState(estimator=state.estimator, planner=carry)

@@ -26,6 +26,13 @@ binding this is the exact constrained Newton step of the round's quadratic model
 For data-parallel replicas pass `axis_name` to `update`: the round's statistics are then
 summed over that mesh axis so every replica holds identical coefficients.
 
+Label hygiene: `update(..., learn=mask)` drops whole requests from the statistics. A
+request whose target applies a transform the drafter never sees (repetition or presence
+penalties, banned or allowed ids, a grammar) accepts at rates that say nothing about the
+drafter; with `learn[b] = False` its labels add exactly zero to every sum (as if it were
+unlabelled), while the round still counts the update. E.g. B = 2, `learn = [True, False]`:
+the round's statistics are those of request 0 alone.
+
 Reference: vLLM's online acceptance estimator for Adaptive Verification (PR 52228).
 """
 
@@ -166,7 +173,9 @@ def online_estimator(
       * `init() -> EstimatorState`
       * `predict(state, features [B,K]) -> probs [B,K]`
       * `update(state, features [B,K], accepted [B,K] bool, labeled [B,K] bool, *,
-        axis_name=None) -> state`; refits when the round's `refit_interval`-th update ends.
+        axis_name=None, learn=None) -> state`; refits when the round's
+        `refit_interval`-th update ends. `learn`: `[B]` bool (the batch dimensions of
+        `features`), requests whose labels count; None: all.
       * `refit(state) -> state`; ends the round now.
 
   Example:
@@ -231,7 +240,8 @@ def online_estimator(
 
   def update(state: EstimatorState, features: jax.typing.ArrayLike,
              accepted: jax.typing.ArrayLike, labeled: jax.typing.ArrayLike, *,
-             axis_name: str | None = None) -> EstimatorState:
+             axis_name: str | None = None,
+             learn: jax.typing.ArrayLike | None = None) -> EstimatorState:
     features = jnp.asarray(features)
     accepted = jnp.asarray(accepted)
     labeled = jnp.asarray(labeled)
@@ -240,6 +250,11 @@ def online_estimator(
     _checks.shape("labeled", labeled, features.shape)
     _checks.boolean("labeled", labeled)
     mask = labeled & jnp.isfinite(features)
+    if learn is not None:
+      learn = jnp.asarray(learn)
+      _checks.shape("learn", learn, features.shape[:-1])
+      _checks.boolean("learn", learn)
+      mask = mask & learn[..., None]
     f = jnp.where(mask, _sanitize(features), 0.0)
     mu = jax.nn.sigmoid(state.slope * f + state.intercepts)
     y = accepted.astype(jnp.float32)

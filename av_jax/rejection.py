@@ -20,6 +20,18 @@ treated like the first unverified position: unlabelled, and the token emitted th
 drawn from the target's p, which keeps the output exact whatever the bad id was). Under
 `jax.jit` values cannot raise, so this is the defined behaviour; called eagerly with
 concrete arrays, the functions raise a `ValueError` naming `draft_tokens` instead.
+
+Log-probabilities (`logprobs=n`, a static int; None, the default, computes none and leaves
+the compiled program as it is without the feature): every emitted token's log-probability
+under the law it was verified against, `log target_probs[b, i, token]` at its row i, plus the
+n most likely ids of that row, in the layout of vLLM's `LogprobsTensors` (column 0 the
+emitted token, then the top n). E.g. `target_probs[0, 0] = [0.5, 0.25, 0.25]`, token 1
+emitted at position 0, n = 1: `logprob_token_ids[0, 0] = [1, 0]`,
+`logprobs[0, 0] = [log 0.25, log 0.5]`, and with `logprob_ranks=True`
+`selected_token_ranks[0, 0] = 3` (three ids are at least as likely). A -1 placeholder gets
+ids -1, log-probabilities NaN and rank -1. The emitted tokens' values are a gather; the
+top-n and the ranks each read every row `[B, K+1, V]` in full, which the sampler itself
+never does (it reads one `[V]` row per request), so they cost what that pass costs.
 """
 
 from __future__ import annotations
@@ -54,6 +66,18 @@ def _valid_prefix(draft_tokens: jax.Array, num_verified: jax.Array, V: int) -> j
   return jnp.minimum(num_verified, valid)
 
 
+class LogprobsTensors(NamedTuple):
+  """Log-probabilities of emitted tokens (vLLM's `LogprobsTensors` fields), N = the rows.
+
+  Placeholders (no token emitted) read -1 ids, NaN log-probabilities and rank -1: NaN
+  because -inf is a real value (a token outside a top-p nucleus has it).
+  """
+  logprob_token_ids: jax.Array     # [N, 1 + n] int32, the emitted token, then the top-n ids
+  logprobs: jax.Array              # [N, 1 + n] float32, their log-probabilities
+  selected_token_ranks: jax.Array | None  # [N] int32, ids at least as likely as the emitted
+                                          # one (1 = the top); None when not asked for
+
+
 class RejectionResult(NamedTuple):
   """Outcome of one verification step."""
   tokens: jax.Array        # [B, K+1] int32, emitted tokens, -1 after the last one
@@ -61,6 +85,62 @@ class RejectionResult(NamedTuple):
   num_accepted: jax.Array  # [B] int32, accepted draft tokens (<= num_verified)
   accepted: jax.Array      # [B, K] bool, position accepted (a prefix)
   labeled: jax.Array       # [B, K] bool, position has an estimator label
+  logprobs: LogprobsTensors | None = None  # [B, K+1, ...] rows of `tokens`; None unless asked
+
+
+def check_num_logprobs(logprobs, V: int, name: str = "logprobs") -> int | None:
+  """`logprobs` as a static int in [0, V] (top-n alternatives), or None (off)."""
+  if logprobs is None:
+    return None
+  if isinstance(logprobs, bool) or not isinstance(logprobs, (int, np.integer)):
+    raise ValueError(f"{name}: expected None (off) or an int number of top log-probabilities "
+                     f"in [0, V={V}], got {logprobs!r}")
+  if not 0 <= int(logprobs) <= V:
+    raise ValueError(f"{name}: expected a number of top log-probabilities in [0, V={V}] "
+                     f"(the vocabulary), got {int(logprobs)}")
+  return int(logprobs)
+
+
+def gather_logprobs(
+    scores: jax.Array,
+    tokens: jax.Array,
+    num_logprobs: int,
+    *,
+    to_log=lambda x: x,
+    ranks: bool = True,
+) -> LogprobsTensors:
+  """The emitted tokens' log-probabilities and the top-n of each row.
+
+  Args:
+    scores: `[..., V]` log-probabilities, or any increasing function of them (e.g. the
+      probabilities) with `to_log` mapping them to log-probabilities: ranks and the top-n
+      are found on `scores` and only the `1 + n` values kept are mapped, so a probability
+      row is not logged in full.
+    tokens: `[...]` int emitted tokens, -1 for a placeholder.
+    num_logprobs: static n >= 0, top alternatives per row.
+    to_log: elementwise map from `scores` to log-probabilities.
+    ranks: also count each emitted token's rank (a pass over every row).
+
+  Returns:
+    `LogprobsTensors` with `[..., 1 + n]` ids and log-probabilities and `[...]` ranks
+    (None when `ranks` is False).
+  """
+  V = scores.shape[-1]
+  tokens = tokens.astype(jnp.int32)
+  emitted = tokens >= 0
+  picked = jnp.take_along_axis(scores, jnp.clip(tokens, 0, V - 1)[..., None], axis=-1)
+  ids, values = tokens[..., None], picked
+  if num_logprobs:
+    top_values, top_ids = jax.lax.top_k(scores, num_logprobs)
+    ids = jnp.concatenate([ids, top_ids.astype(jnp.int32)], axis=-1)
+    values = jnp.concatenate([values, top_values], axis=-1)
+  return LogprobsTensors(
+      logprob_token_ids=jnp.where(emitted[..., None], ids, -1),
+      logprobs=jnp.where(emitted[..., None], to_log(values).astype(jnp.float32), jnp.nan),
+      # Rank as vLLM counts it: the ids at least as likely as the emitted one (1 = the top).
+      selected_token_ranks=(jnp.where(emitted, jnp.sum(scores >= picked[..., 0:1], axis=-1,
+                                                       dtype=jnp.int32), -1)
+                            if ranks else None))
 
 
 def _check_dense(draft_probs, draft_tokens, target_probs, num_verified):
@@ -80,6 +160,8 @@ def rejection_sample(
     draft_tokens: jax.typing.ArrayLike,
     target_probs: jax.typing.ArrayLike,
     num_verified: jax.typing.ArrayLike,
+    logprobs: int | None = None,
+    logprob_ranks: bool = False,
 ) -> RejectionResult:
   """Verifies the first `num_verified[b]` draft tokens of every request.
 
@@ -90,15 +172,19 @@ def rejection_sample(
     target_probs: `[B, K+1, V]` target distributions p at each position given the draft
       prefix; row K gives the bonus token after K accepted.
     num_verified: `[B]` int in [0, K], verified positions per request.
+    logprobs: static; None (default) computes no log-probabilities; n >= 0 returns
+      `result.logprobs`, every emitted token's `log target_probs` at its row with the
+      top-n of that row (`[B, K+1, 1 + n]`; see the module docstring).
+    logprob_ranks: static; with `logprobs`, also each emitted token's rank in its row.
 
   Returns:
     A `RejectionResult`. Labels (spec section 6): accepted positions are labelled 1; the
     first rejected position is labelled 0; unverified positions are unlabelled.
 
   Raises:
-    ValueError: on wrong shapes or dtypes; eagerly also on a draft id outside [0, V)
-      in a verified position (under jit that position ends verification; see the
-      module docstring).
+    ValueError: on wrong shapes or dtypes, `logprobs` not None or an int in [0, V]; eagerly
+      also on a draft id outside [0, V) in a verified position (under jit that position
+      ends verification; see the module docstring).
 
   Example:
     >>> out = rejection_sample(key, draft_probs=q, draft_tokens=x, target_probs=p,
@@ -109,6 +195,18 @@ def rejection_sample(
   draft_tokens = jnp.asarray(draft_tokens)
   num_verified = jnp.asarray(num_verified)
   _check_dense(draft_probs, draft_tokens, target_probs, num_verified)
+  num_logprobs = check_num_logprobs(logprobs, draft_probs.shape[-1])
+  result = _rejection_sample(key, draft_probs=draft_probs, draft_tokens=draft_tokens,
+                             target_probs=target_probs, num_verified=num_verified)
+  if num_logprobs is None:
+    return result
+  return result._replace(logprobs=gather_logprobs(target_probs, result.tokens, num_logprobs,
+                                                  to_log=jnp.log, ranks=logprob_ranks))
+
+
+def _rejection_sample(key, *, draft_probs, draft_tokens, target_probs,
+                      num_verified) -> RejectionResult:
+  """`rejection_sample` on checked float32 arrays, without log-probabilities."""
   B, K, V = draft_probs.shape
   draft_tokens = draft_tokens.astype(jnp.int32)
   num_verified = jnp.clip(num_verified.astype(jnp.int32), 0, K)
@@ -158,6 +256,7 @@ class RaggedRejectionResult(NamedTuple):
   num_accepted: jax.Array  # [B] int32, accepted draft tokens of each request
   accepted: jax.Array      # [T] bool, flat draft token accepted (each request's a prefix)
   labeled: jax.Array       # [T] bool, flat draft token has an estimator label
+  logprobs: LogprobsTensors | None = None  # [T+B, ...] rows of `tokens`; None unless asked
 
 
 def rejection_sample_ragged(
@@ -168,6 +267,8 @@ def rejection_sample_ragged(
     num_draft_tokens: jax.typing.ArrayLike,
     target_probs: jax.typing.ArrayLike,
     max_draft_len: int,
+    logprobs: int | None = None,
+    logprob_ranks: bool = False,
 ) -> RaggedRejectionResult:
   """`rejection_sample` in vLLM's ragged layout (flat drafts, interleaved target rows).
 
@@ -192,6 +293,9 @@ def rejection_sample_ragged(
     target_probs: `[T + B, V]` target distributions, request b's rows at
       `cu[b] + b ... cu[b] + b + num_draft_tokens[b]` with `cu` the exclusive cumsum.
     max_draft_len: static K, an upper bound of `num_draft_tokens`.
+    logprobs: static; None (default) computes none; n >= 0 returns `result.logprobs` in
+      the layout of `tokens` (`[T + B, 1 + n]`), as `rejection_sample`.
+    logprob_ranks: static; with `logprobs`, also the emitted tokens' ranks.
 
   Returns:
     A `RaggedRejectionResult`: `tokens [T + B]` in the same layout as `target_probs`
@@ -223,6 +327,7 @@ def rejection_sample_ragged(
   K = int(max_draft_len)
   if K < 1:
     raise ValueError(f"max_draft_len: expected >= 1, got {max_draft_len}")
+  num_logprobs = check_num_logprobs(logprobs, V)
   check_counts(num_draft_tokens, num_tokens=T, max_draft_len=K)
 
   if T == 0:  # no draft token in the batch: gather from one dummy row, masked below
@@ -238,7 +343,7 @@ def rejection_sample_ragged(
       draft_probs=jnp.where(in_draft[..., None], draft_probs[draft_rows], 0.0),
       draft_tokens=jnp.where(in_draft, draft_tokens[draft_rows].astype(jnp.int32), 0),
       target_probs=target_probs[target_rows],
-      num_verified=counts)
+      num_verified=counts, logprobs=num_logprobs, logprob_ranks=logprob_ranks)
   # Scatter each request's K + 1 outputs back to its target rows and its K labels back
   # to its draft rows; padding (beyond a request's count (+ 1), past the last request)
   # stays -1 / False.
@@ -249,6 +354,17 @@ def rejection_sample_ragged(
   flat = jnp.where(in_draft, draft_rows, T).reshape(-1)
   accepted = jnp.zeros((T,), bool).at[flat].set(dense.accepted.reshape(-1), mode="drop")
   labeled = jnp.zeros((T,), bool).at[flat].set(dense.labeled.reshape(-1), mode="drop")
+  scattered = None
+  if num_logprobs is not None:
+    def scatter(values, fill):  # [B, K+1, ...] -> the target rows' layout [T+B, ...]
+      out = jnp.full((T + B,) + values.shape[2:], fill, values.dtype)
+      return out.at[index.reshape(-1)].set(
+          values.reshape((-1,) + values.shape[2:]), mode="drop")
+    lp = dense.logprobs
+    scattered = LogprobsTensors(logprob_token_ids=scatter(lp.logprob_token_ids, -1),
+                                logprobs=scatter(lp.logprobs, jnp.nan),
+                                selected_token_ranks=None if lp.selected_token_ranks is None
+                                else scatter(lp.selected_token_ranks, -1))
   return RaggedRejectionResult(tokens=tokens, num_emitted=dense.num_emitted,
                                num_accepted=dense.num_accepted, accepted=accepted,
-                               labeled=labeled)
+                               labeled=labeled, logprobs=scattered)

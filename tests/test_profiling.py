@@ -99,7 +99,10 @@ def test_jitted_jax_program_and_planner():
 @pytest.mark.parametrize("kwargs, message", [
     (dict(buckets=(4, 4, 16)), "strictly increasing"),
     (dict(buckets=()), "strictly increasing"),
-    (dict(buckets=(4, 8)), "must hold num_slots \\* \\(max_draft \\+ 1\\) = 16"),
+    (dict(buckets=(4, 8)), "buckets: no bucket holds the 16 tokens .* T = 9..16 are missing"),
+    (dict(max_tokens=10), "max_tokens: .* up to num_slots \\* \\(max_draft \\+ 1\\) = 16 .*"
+                          "misses T = 11..16"),
+    (dict(max_tokens=40), "buckets: no bucket holds the 40 tokens"),
     (dict(repeats=0), "repeats"),
     (dict(num_slots=0), "num_slots"),
 ])
@@ -108,3 +111,36 @@ def test_bad_arguments_are_refused(kwargs, message):
   args.update(kwargs)
   with pytest.raises(ValueError, match=message):
     profiling.measure_costs(lambda x: x, None, **args)
+
+
+@pytest.mark.filterwarnings("ignore:verify_ms. not monotone")  # equal sleeps: noise may repair
+def test_only_the_shapes_the_caller_runs_are_timed():
+  # Generic buckets up to 64; two slots of K = 7 pack 16 tokens at most.
+  verify, calls = sleeper(lambda size: 1.0)
+  profile = profiling.measure_costs(verify, None, verify_args=verify_args,
+                                    buckets=(4, 8, 16, 32, 64), num_slots=B, max_draft=K,
+                                    repeats=1)
+  assert sorted(set(calls)) == [4, 8, 16]          # 32 and 64 never run: never timed
+  assert profile["buckets"] == [4, 8, 16] and profile["skipped_buckets"] == [32, 64]
+  assert profile["max_tokens"] == 16
+  # A caller whose steps pack up to 24 tokens: the first bucket holding 24 is timed too.
+  verify, calls = sleeper(lambda size: 1.0)
+  cost = av_jax.profile_costs(verify, None, verify_args=verify_args, buckets=(4, 8, 16, 32, 64),
+                              num_slots=B, max_draft=K, repeats=1, max_tokens=24)
+  assert sorted(set(calls)) == [4, 8, 16, 32]
+  assert np.shape(cost.verify_ms) == (25,)
+  profiling.check_cost_covers(cost, num_slots=B, max_draft=K)
+
+
+def test_a_table_short_of_the_planners_shapes_is_refused():
+  short = profiling.step_cost_model((4, 8), (1.0, 2.0), 1.0, num_slots=B, max_tokens=10)
+  with pytest.raises(ValueError, match=r"cost.verify_ms: covers 10 at most, .* up to 16: "
+                                       r"11..16 are missing"):
+    profiling.check_cost_covers(short, num_slots=B, max_draft=K)
+  few_slots = profiling.step_cost_model((16,), (1.0,), 1.0, num_slots=1, max_tokens=16)
+  with pytest.raises(ValueError, match=r"cost.draft_ms: covers 1 at most, .* up to 2"):
+    profiling.check_cost_covers(few_slots, num_slots=B, max_draft=K)
+  # A table that covers them passes (the negative control).
+  full = profiling.step_cost_model((4, 8, 16), (1.0, 2.0, 3.0), 1.0, num_slots=B,
+                                   max_tokens=16)
+  profiling.check_cost_covers(full, num_slots=B, max_draft=K)

@@ -18,10 +18,12 @@ import time
 from typing import Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from av_jax.costs import CostTables
+from av_jax.decider import PolicyDecider
 from av_jax.engine import clock as modelled_clock
 from av_jax.engine import core
 from av_jax.engine import distributed
@@ -190,7 +192,8 @@ def generate(engine: core.Engine, params: core.Params, prompts: Sequence[Sequenc
              state: core.DecodeState | None = None, mesh=None,
              stop_after_chunks: int | None = None, checkpoint_path: str | None = None,
              resume_from: str | None = None,
-             clock: str | CostTables = "wall") -> GenerateResult:
+             clock: str | CostTables = "wall",
+             learn: bool | Sequence[bool] = True) -> GenerateResult:
   """Generates continuations of `prompts` with continuous batching.
 
   Args:
@@ -222,6 +225,11 @@ def generate(engine: core.Engine, params: core.Params, prompts: Sequence[Sequenc
       (`tables.cost` is the state's cost model) and every step is charged what they say
       it costs (`av_jax.engine.clock`); `GenerateResult.modelled` holds the figures,
       next to `wall_s`. A continued `state` keeps its own cost model.
+    learn: per request (or one for all), whether its verification labels teach the
+      estimator: False for a request whose target applies a transform its drafter never
+      sees (a repetition penalty, banned ids, a grammar), whose acceptance says nothing
+      about the drafter. All True (the default) runs the programs without a mask. A
+      mask needs the `av` arm's decider and one device, without checkpoints.
 
   Returns:
     A `GenerateResult`.
@@ -242,6 +250,19 @@ def generate(engine: core.Engine, params: core.Params, prompts: Sequence[Sequenc
   if len(max_new_tokens) != len(prompts):
     raise ValueError(f"max_new_tokens: expected {len(prompts)} limits, got "
                      f"{len(max_new_tokens)}")
+  if isinstance(learn, (bool, np.bool_)):
+    learn = [bool(learn)] * len(prompts)
+  learn = [bool(flag) for flag in learn]
+  if len(learn) != len(prompts):
+    raise ValueError(f"learn: expected {len(prompts)} flags (one per prompt), got {len(learn)}")
+  masked = not all(learn)
+  if masked:
+    if not isinstance(engine.decider, PolicyDecider):  # its `learn` takes the mask
+      raise ValueError(f"learn: a per-request mask needs the av arm's decider (PolicyDecider), "
+                       f"got {type(engine.decider).__name__}")
+    if mesh is not None or checkpoint_path is not None or resume_from is not None:
+      raise ValueError("learn: a per-request mask runs on one device without checkpoints "
+                       "(mesh, checkpoint_path and resume_from must be None)")
   max_prompt = cfg.max_len - cfg.max_draft - 2
   vocab = engine.target.vocab_size
   completions: list[Completion | None] = [None] * len(prompts)
@@ -275,6 +296,8 @@ def generate(engine: core.Engine, params: core.Params, prompts: Sequence[Sequenc
     owner = list(extra["owner"])
     waiting = list(extra["waiting"])
     completions = [None if c is None else Completion(**c) for c in extra["completions"]]
+  if masked and state.learn is None:
+    state = state._replace(learn=jnp.ones((B,), bool))
   if mesh is not None:
     params, state = sharding.place(engine, mesh, params, state)
     prefill, chunk, modes = compiled_sharded(engine, mesh, params, state)
@@ -309,6 +332,8 @@ def generate(engine: core.Engine, params: core.Params, prompts: Sequence[Sequenc
           padded[:len(prompt)] = prompt
           state = prefill(params, state, padded, np.int32(len(prompt)), np.int32(b),
                           np.int32(max_new_tokens[i]))
+          if state.learn is not None:  # the slot teaches as its new request says
+            state = state._replace(learn=state.learn.at[b].set(learn[i]))
           owner[b] = i
           changed = True
       if not changed:

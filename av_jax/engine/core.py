@@ -250,6 +250,8 @@ class DecodeState(NamedTuple):
   cost: CostModel                    # step-cost tables the budget is chosen against
   key: jax.Array                     # PRNG key
   stats: EngineStats                 # running totals
+  learn: jax.Array | None = None     # [B] bool, the slot's request teaches the estimator
+                                     # (None: every request; `batching.generate(learn=)`)
 
   @property
   def decision(self) -> DecisionState:
@@ -1072,7 +1074,10 @@ def _decide_and_verify(engine: Engine, params: Params, state: DecodeState,
 
   # Learn from the labels verification produced anyway, and count.
   labeled = result.labeled & active[:, None] & drafts.usable
-  decision = decider.learn(decision, drafts.features, result.accepted, labeled)
+  # A request whose target applies a transform its drafter never sees (`learn` False)
+  # teaches the estimator nothing (`PolicyDecider.learn`).
+  decision = decider.learn(decision, drafts.features, result.accepted, labeled,
+                           **({} if state.learn is None else dict(learn=state.learn)))
   stats = _count(engine, state.stats, state=state, drafts=drafts, verdict=verdict,
                  stops=stops, verified=verified, labeled=labeled, slots=slots)
   new_state = state._replace(

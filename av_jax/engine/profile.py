@@ -21,6 +21,7 @@ import numpy as np
 
 from av_jax.engine import batching, core
 from av_jax.models import drafters
+from av_jax.profiling import bounded_buckets
 from av_jax.profiling import median_ms as _median_ms
 from av_jax.profiling import step_cost_model
 from av_jax.selection import CostModel, make_cost_model
@@ -43,7 +44,8 @@ def measure(engine: core.Engine, params: core.Params, *, repeats: int = 5) -> di
   (`core.verify_forward`): with G = `verify_groups` groups, G packed forwards of T_g =
   T / G tokens each (batched) and the target's sampling distribution on the packed rows.
   `buckets` holds the total sizes T = G T_g (`engine.buckets`), the units of the cost
-  tables.
+  tables: those up to the first holding B (K + 1) tokens, the most a step packs; a
+  configured bucket past it is never run, so it is not timed (`skipped_buckets`).
   """
   cfg = engine.config
   B, K, M, G = cfg.num_slots, cfg.max_draft, cfg.max_len, cfg.groups
@@ -67,8 +69,9 @@ def measure(engine: core.Engine, params: core.Params, *, repeats: int = 5) -> di
     return lambda: _median_ms(verify, params.target, cache, tokens, slot, positions,
                               jnp.ones((G, size), bool), repeats=repeats)
 
-  bucket_ms = retime_falls([bucket_timer(size) for size in cfg.group_bucket_sizes()],
-                           min_rounds=PROGRAM_ROUNDS)
+  timed = bounded_buckets(cfg.group_bucket_sizes(), (B // G) * (K + 1))
+  bucket_ms = retime_falls([bucket_timer(size) for size in timed], min_rounds=PROGRAM_ROUNDS)
+  buckets = list(engine.buckets)
 
   def draft(dp, tp, ds, key):  # drafting and its sampling (tokens, log-probs) as run
     out = engine.drafter.draft(dp, tp, ds, key, K=K, temperature=cfg.temperature,
@@ -81,8 +84,9 @@ def measure(engine: core.Engine, params: core.Params, *, repeats: int = 5) -> di
   draft_ms = min(_median_ms(draft, params.drafter, params.target, dstate,
                             jax.random.key(1, impl="rbg"), repeats=repeats)
                  for _ in range(PROGRAM_ROUNDS))
-  profile = dict(device_kind=jax.devices()[0].device_kind, buckets=list(engine.buckets),
-                 bucket_ms=bucket_ms, draft_ms=draft_ms, repeats=repeats, verify_groups=G)
+  profile = dict(device_kind=jax.devices()[0].device_kind, buckets=buckets[:len(timed)],
+                 bucket_ms=bucket_ms, skipped_buckets=buckets[len(timed):], draft_ms=draft_ms,
+                 repeats=repeats, verify_groups=G)
   if engine.decider.gated:
     # Under subset drafting a step drafts for E rows (a draft bucket), so drafting costs
     # what the bucket holding the drafting requests costs.
@@ -382,7 +386,16 @@ def cost_model_from_profile(profile: dict, *, num_slots: int, max_tokens: int) -
 
   A non-monotone profile is repaired to its running maximum with a `UserWarning`
   (`av_jax.profiling.step_cost_model`).
+
+  Raises:
+    ValueError: when the profile's buckets stop short of `max_tokens` (a profile of
+      another configuration), naming the sizes missing.
   """
+  if int(profile["buckets"][-1]) < max_tokens:
+    raise ValueError(f"profile: its largest bucket is {profile['buckets'][-1]} tokens, the "
+                     f"planner prices steps of up to {max_tokens}: T = "
+                     f"{int(profile['buckets'][-1]) + 1}..{max_tokens} are missing "
+                     "(re-measure with refresh=True)")
   draft, fixed = draft_tables(profile, num_slots=num_slots, max_tokens=max_tokens)
   # What whole steps cost (section 8.2): the verify entries are mapped onto the measured
   # regimes; a step's drafting is priced by the drafter's programs.
@@ -499,6 +512,13 @@ def format_profile(profile: dict) -> str:
                    profile, num_slots=profile["buckets"][0],
                    max_tokens=profile["buckets"][-1]))]
              if profile.get("step_ms") else []),
+           "timed: verify at T = " + ", ".join(str(t) for t in profile["buckets"])
+           + f" (the buckets up to the largest step, {profile['buckets'][-1]} tokens)"
+           + (", not " + ", ".join(str(t) for t in profile["skipped_buckets"])
+              + " (never run)" if profile.get("skipped_buckets") else "")
+           + "; drafter at " + ("E = " + ", ".join(str(e) for e in profile["draft_buckets"])
+                                + " drafting slots" if "draft_buckets" in profile
+                                else "all slots"),
            f"{'bucket T':>9} {'verify ms':>10} {'ms/token':>9}"]
   for size, ms in zip(profile["buckets"], profile["bucket_ms"]):
     lines.append(f"{size:>9} {ms:>10.3f} {ms / size:>9.4f}")

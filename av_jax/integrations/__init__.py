@@ -10,6 +10,10 @@ that stack's published test cases (tests/test_integrations.py):
 
 Both return AV's per-draft labels as well, and share `pack_drafts` (AV's plan ->
 `num_draft_tokens`) and `to_dense_labels` (flat labels -> the `[B, K]` the estimator takes).
+Each has a `labels_from_output` that recovers the labels from the stack's output alone,
+with a per-request `learn` mask (requests whose target applies a transform the drafter
+never sees get no label), and returns log-probabilities when asked, in the stack's own
+`LogprobsTensors` layout.
 """
 
 from av_jax.integrations import tpu_inference

@@ -104,3 +104,16 @@ def _to_dense(accepted, labeled, num_draft_tokens, *, max_draft_len):
     return jnp.zeros(shape, bool), jnp.zeros(shape, bool)
   return (index.in_draft & accepted[index.rows].astype(bool),
           index.in_draft & labeled[index.rows].astype(bool))
+
+
+def mask_labels(labeled: jax.Array, learn: jax.typing.ArrayLike | None) -> jax.Array:
+  """`[B, K]` labels of the requests with `learn[b]` True only (all when `learn` is None).
+
+  E.g. `labeled = [[1, 1], [1, 0]]`, `learn = [False, True]` -> `[[0, 0], [1, 0]]`.
+  """
+  if learn is None:
+    return labeled
+  learn = jnp.asarray(learn)
+  _checks.shape("learn", learn, labeled.shape[:1], "B")
+  _checks.boolean("learn", learn)
+  return labeled & learn[:, None]

@@ -32,7 +32,17 @@ Sampling conventions (`sampling_metadata`: any object with fields `do_sampling`,
     respect to the non-speculative sampler. `draft_probs=None` (n-gram drafts) treats
     each draft as a point mass (accept with probability p(x), recover from p without x),
     as tpu-inference does. `key` is required, as there.
-  * `logprobs` is not read (no logprobs are computed here).
+  * `logprobs` True (tpu-inference's flag for requests that asked for log-probabilities):
+    `sample_with_labels` also returns `logprobs`, tpu-inference's `LogprobsTensors`
+    triple in the output's `[T + B]` rows: column 0 the emitted token with its
+    log-probability, then the top `num_logprobs` ids of its row, and the emitted token's
+    rank. The law is the one the row was verified against, in vLLM's
+    `processed_logprobs` sense: a sampled request's processed logits (temperature, top-k,
+    top-p; filtered ids -inf), a greedy request's raw logits (greedy applies no
+    transform), log-softmaxed. Placeholders, and the bonus rows (the bonus token was drawn
+    by the stack's own sampler from logits this sampler never sees, so its log-probability
+    comes from there), read ids -1, log-probabilities NaN and rank -1. False or absent:
+    nothing is computed and the program is the one without log-probabilities.
 Rows past `sum(num_draft_tokens)` (padding) are -1 in the main output; tpu-inference
 would count them as further drafts of the last request, so callers pass T equal to the
 sum or ignore those rows (its `parse_output` does).
@@ -55,12 +65,13 @@ import numpy as np
 
 from av_jax import _checks
 from av_jax.sampling import sampling_log_probs
-from av_jax.integrations._layout import (check_counts, pack_drafts, ragged_index, to_dense_labels,
-                                         to_flat)
-from av_jax.rejection import rejection_sample
+from av_jax.integrations._layout import (check_counts, mask_labels, pack_drafts, ragged_index,
+                                         to_dense_labels, to_flat)
+from av_jax.rejection import LogprobsTensors, check_num_logprobs, gather_logprobs, rejection_sample
 
-__all__ = ["DATA_AXES", "GREEDY_TEMPERATURE_EPS", "PLACEHOLDER_TOKEN_ID", "RejectionSampler",
-           "TpuRejectionOutput", "labels_from_output", "pack_drafts", "to_dense_labels"]
+__all__ = ["DATA_AXES", "GREEDY_TEMPERATURE_EPS", "LogprobsTensors", "PLACEHOLDER_TOKEN_ID",
+           "RejectionSampler", "TpuRejectionOutput", "labels_from_output", "pack_drafts",
+           "to_dense_labels"]
 
 PLACEHOLDER_TOKEN_ID = -1
 # Requests with a temperature below this are greedy (tpu-inference's `_SAMPLING_EPS`).
@@ -75,6 +86,7 @@ class TpuRejectionOutput(NamedTuple):
   num_accepted: jax.Array      # [B] int32, accepted drafts per request
   accepted: jax.Array          # [T] bool, flat draft accepted
   labeled: jax.Array           # [T] bool, flat draft has an estimator label
+  logprobs: LogprobsTensors | None = None  # [T + B, ...] rows of the output; None unless asked
 
 
 def _data_parallel_size(mesh) -> int:
@@ -84,17 +96,24 @@ def _data_parallel_size(mesh) -> int:
   return math.prod(shape.get(axis, 1) for axis in DATA_AXES)
 
 
-def _target_probs(logits, greedy, temperature, top_k, top_p):
-  """Per-row target law: greedy rows one-hot at the arg-max of the raw logits; others
-  logits / temperature, top-k, then top-p (see the module docstring)."""
+def _sampled_log_probs(logits, greedy, temperature, top_k, top_p):
+  """Per-row log-probabilities of the sampled law: logits / temperature, top-k, then top-p
+  (see the module docstring); greedy rows are scaled by 1 (their law is set elsewhere)."""
   V = logits.shape[-1]
-  one_hot = jax.nn.one_hot(jnp.argmax(logits, axis=-1), V, dtype=jnp.float32)
   scaled = logits / jnp.where(greedy, 1.0, temperature)[:, None]
   kth = jnp.take_along_axis(-jnp.sort(-scaled, axis=-1),
                             jnp.clip(top_k - 1, 0, V - 1)[:, None], axis=-1)
   use_k = ((top_k > 0) & (top_k < V))[:, None]
   scaled = jnp.where(use_k & (scaled < kth), -jnp.inf, scaled)
-  probs = jnp.exp(sampling_log_probs(scaled, top_p=top_p))
+  return sampling_log_probs(scaled, top_p=top_p)
+
+
+def _target_probs(logits, greedy, temperature, top_k, top_p):
+  """Per-row target law: greedy rows one-hot at the arg-max of the raw logits; others
+  logits / temperature, top-k, then top-p (see the module docstring)."""
+  V = logits.shape[-1]
+  one_hot = jax.nn.one_hot(jnp.argmax(logits, axis=-1), V, dtype=jnp.float32)
+  probs = jnp.exp(_sampled_log_probs(logits, greedy, temperature, top_k, top_p))
   return jnp.where(greedy[:, None], one_hot, probs)
 
 
@@ -107,9 +126,11 @@ def _row_requests(num_draft_tokens, dp, t):
   return (local + b * jnp.arange(dp)[:, None]).reshape(-1)
 
 
-@functools.partial(jax.jit, static_argnames=("do_sampling", "dp", "max_draft_len"))
+@functools.partial(jax.jit, static_argnames=("do_sampling", "dp", "max_draft_len",
+                                             "num_logprobs"))
 def _forward(draft_token_ids, num_draft_tokens, draft_probs, target_logits, bonus_token_ids,
-             temperature, top_k, top_p, key, *, do_sampling, dp, max_draft_len):
+             temperature, top_k, top_p, key, *, do_sampling, dp, max_draft_len,
+             num_logprobs=None):
   T, V = target_logits.shape
   B = num_draft_tokens.shape[0]
   t, b, K = T // dp, B // dp, max_draft_len
@@ -126,8 +147,17 @@ def _forward(draft_token_ids, num_draft_tokens, draft_probs, target_logits, bonu
     draft = draft_probs.astype(jnp.float32)
   # Greedy verification with one-hot targets is deterministic: any key gives the result.
   keys = jax.random.split(jax.random.key(0) if key is None else key, dp)
+  # The law each row's log-probabilities are read from (the module docstring): a greedy
+  # row's raw logits, a sampled row's processed ones. Only built when asked for.
+  log_law = None
+  if num_logprobs is not None:
+    log_law = jax.nn.log_softmax(logits, axis=-1)
+    if do_sampling and T:
+      greedy = temperature[row] < GREEDY_TEMPERATURE_EPS
+      log_law = jnp.where(greedy[:, None], log_law, _sampled_log_probs(
+          logits, greedy, temperature[row], top_k[row], top_p[row]))
 
-  def block(key, ids, counts, q, p, bonus):
+  def block(key, ids, counts, q, p, bonus, log_law):
     index = ragged_index(counts, num_tokens=t, max_draft_len=K)
     if t == 0:  # no draft rows: gather from one dummy row, masked below
       q, p, ids = jnp.zeros((1, V)), jnp.zeros((1, V)), jnp.zeros((1,), jnp.int32)
@@ -144,17 +174,28 @@ def _forward(draft_token_ids, num_draft_tokens, draft_probs, target_logits, bonu
     main = to_flat(out.tokens[:, :K], index, num_tokens=t, fill=PLACEHOLDER_TOKEN_ID)
     bonus = jnp.where(out.num_accepted == index.counts, bonus.astype(jnp.int32),
                       PLACEHOLDER_TOKEN_ID)
+    logprobs = None
+    if log_law is not None:  # main rows from the law, bonus rows placeholders
+      logprobs = gather_logprobs(log_law, main, num_logprobs)
+      logprobs = jax.tree.map(
+          lambda m, fill: jnp.concatenate([m, jnp.full((bonus.shape[0],) + m.shape[1:], fill,
+                                                       m.dtype)]),
+          logprobs, LogprobsTensors(-1, jnp.nan, -1))
     return (jnp.concatenate([main, bonus]), out.num_accepted,
             to_flat(out.accepted, index, num_tokens=t, fill=False),
-            to_flat(out.labeled, index, num_tokens=t, fill=False))
+            to_flat(out.labeled, index, num_tokens=t, fill=False), logprobs)
 
   split = lambda x, n: x.reshape((dp, n) + x.shape[1:])
-  output, num_accepted, accepted, labeled = jax.vmap(block)(
+  output, num_accepted, accepted, labeled, logprobs = jax.vmap(block)(
       keys, split(draft_token_ids.astype(jnp.int32), t), split(num_draft_tokens, b),
-      split(draft, t), split(target, t), split(bonus_token_ids, b))
+      split(draft, t), split(target, t), split(bonus_token_ids, b),
+      None if log_law is None else split(log_law, t))
+  if logprobs is not None:
+    logprobs = jax.tree.map(lambda x: x.reshape((T + B,) + x.shape[2:]), logprobs)
   return TpuRejectionOutput(output_token_ids=output.reshape(-1),
                             num_accepted=num_accepted.reshape(-1),
-                            accepted=accepted.reshape(-1), labeled=labeled.reshape(-1))
+                            accepted=accepted.reshape(-1), labeled=labeled.reshape(-1),
+                            logprobs=logprobs)
 
 
 class RejectionSampler:
@@ -191,14 +232,17 @@ class RejectionSampler:
 
   def sample_with_labels(self, draft_token_ids, num_draft_tokens, draft_probs,
                          target_logits, bonus_token_ids, sampling_metadata: Any,
-                         key=None) -> TpuRejectionOutput:
-    """As `__call__`, also returning AV's per-draft labels (`[T]`, flat order).
+                         key=None, *, num_logprobs: int = 0) -> TpuRejectionOutput:
+    """As `__call__`, also returning AV's per-draft labels (`[T]`, flat order) and, when
+    `sampling_metadata.logprobs` is True, the log-probabilities (module docstring) with
+    the top `num_logprobs` alternatives of every row (the batch's largest request, as
+    tpu-inference's `max_num_logprobs`).
 
     Raises:
       ValueError: naming the argument, on wrong shapes or dtypes, a missing key when
-        sampling, shapes not divisible by the data-parallel size, and eagerly on counts
-        that do not fit a block or exceed `max_draft_len`, and on out-of-range draft ids
-        in verified positions.
+        sampling, shapes not divisible by the data-parallel size, `num_logprobs` outside
+        [0, V], and eagerly on counts that do not fit a block or exceed `max_draft_len`,
+        and on out-of-range draft ids in verified positions.
     """
     draft_token_ids = jnp.asarray(draft_token_ids)
     num_draft_tokens = jnp.asarray(num_draft_tokens)
@@ -239,6 +283,12 @@ class RejectionSampler:
       options.append(value)
     if do_sampling and key is None:
       raise ValueError("key: a random key must be provided for non-greedy sampling")
+    want_logprobs = getattr(sampling_metadata, "logprobs", False)
+    if not isinstance(want_logprobs, (bool, np.bool_)) and want_logprobs is not None:
+      raise ValueError(f"sampling_metadata.logprobs: expected a Python bool (static) or None, "
+                       f"got {type(want_logprobs).__name__}")
+    logprobs = (check_num_logprobs(num_logprobs, V, "num_logprobs") if want_logprobs
+                else None)
     dp = _data_parallel_size(self.mesh)
     if T % dp or B % dp:
       raise ValueError(f"target_logits / num_draft_tokens: T={T} and B={B} must be "
@@ -252,7 +302,7 @@ class RejectionSampler:
                    max_draft_len=K)
     return _forward(draft_token_ids, num_draft_tokens, draft_probs, target_logits,
                     bonus_token_ids, *options, key, do_sampling=do_sampling, dp=dp,
-                    max_draft_len=K)
+                    max_draft_len=K, num_logprobs=logprobs)
 
 
 def labels_from_output(
@@ -261,6 +311,7 @@ def labels_from_output(
     *,
     max_draft_len: int,
     dp_size: int = 1,
+    learn: jax.typing.ArrayLike | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """AV's labels from a `[T + B]` output alone (`num_rejected_tokens`-style).
 
@@ -269,6 +320,15 @@ def labels_from_output(
   token is the recovered one) and rejected the next. A draft id that ended verification
   without being a draw (out of range; see `av_jax.rejection`) reads as a rejection here:
   `RejectionSampler.sample_with_labels` gives the exact labels.
+
+  Args:
+    output_token_ids: `[T + B]` the sampler's output.
+    num_draft_tokens: `[B]` drafts per request.
+    max_draft_len: static K.
+    dp_size: data-parallel blocks of the output (`RejectionSampler`'s mesh).
+    learn: optional `[B]` bool, requests whose labels the estimator learns from; a
+      request whose target applied a transform the drafter never sees (penalties,
+      banned ids, a grammar) passes False and gets no label (`accepted` is kept).
 
   Returns:
     `(accepted [B, K], labeled [B, K], num_rejected_tokens [B])`; `num_rejected_tokens`
@@ -283,8 +343,10 @@ def labels_from_output(
   if T < 0 or T % dp_size or B % dp_size:
     raise ValueError(f"output_token_ids: expected [T + B] with T, B divisible by "
                      f"dp_size={dp_size}, got shape {output_token_ids.shape} for B={B}")
-  return _labels_from_output(output_token_ids, num_draft_tokens, max_draft_len=int(max_draft_len),
-                             dp_size=int(dp_size))
+  accepted, labeled, rejected = _labels_from_output(
+      output_token_ids, num_draft_tokens, max_draft_len=int(max_draft_len),
+      dp_size=int(dp_size))
+  return accepted, mask_labels(labeled, learn), rejected
 
 
 @functools.partial(jax.jit, static_argnames=("max_draft_len", "dp_size"))

@@ -18,6 +18,14 @@ and the recovered token is the arg-max, exactly vLLM's greedy kernel.
 as a point mass, so it is accepted with probability p(x) and a rejection emits from p with
 x removed, as vLLM does.
 
+Log-probabilities (`logprobs=n`, vLLM's `max_num_logprobs`; None, the default, computes
+none): `logprobs_tensors`, vLLM's `LogprobsTensors` triple on the flattened rows of
+`sampled_token_ids` (`[B * (max_spec_len + 1)]`, request b's row i at `b (K + 1) + i`, as
+vLLM lays them out before `parse_output` drops the placeholders): column 0 the emitted
+token and its `log target_probs`, then the top n of its row, and the emitted token's rank.
+The law is the `target_probs` given, so with vLLM's `compute_probs` these are vLLM's
+`processed_logprobs`. Placeholders read ids -1, log-probabilities NaN and rank -1.
+
 With AV: `num_draft_tokens` is the plan's `num_verified` (`pack_drafts` packs AV's dense
 drafts this way); `to_dense_labels` turns the `[T]` labels back into the `[B, K]`
 `accepted` / `labeled` that `make_decision` takes at the next step.
@@ -33,11 +41,11 @@ import jax
 import jax.numpy as jnp
 
 from av_jax import _checks
-from av_jax.integrations._layout import pack_drafts, ragged_index, to_dense_labels
-from av_jax.rejection import rejection_sample_ragged
+from av_jax.integrations._layout import mask_labels, pack_drafts, ragged_index, to_dense_labels
+from av_jax.rejection import LogprobsTensors, rejection_sample_ragged
 
-__all__ = ["PLACEHOLDER_TOKEN_ID", "VllmRejectionOutput", "pack_drafts", "rejection_sample",
-           "to_dense_labels"]
+__all__ = ["LogprobsTensors", "PLACEHOLDER_TOKEN_ID", "VllmRejectionOutput",
+           "labels_from_output", "pack_drafts", "rejection_sample", "to_dense_labels"]
 
 PLACEHOLDER_TOKEN_ID = -1
 
@@ -48,6 +56,7 @@ class VllmRejectionOutput(NamedTuple):
   num_accepted: jax.Array       # [B] int32, accepted drafts per request
   accepted: jax.Array           # [T] bool, flat draft accepted (each request's a prefix)
   labeled: jax.Array            # [T] bool, flat draft has an estimator label
+  logprobs_tensors: LogprobsTensors | None = None  # [B (K + 1), ...]; None unless asked
 
 
 def rejection_sample(
@@ -58,6 +67,7 @@ def rejection_sample(
     max_spec_len: int,
     draft_probs: jax.typing.ArrayLike | None,
     target_probs: jax.typing.ArrayLike,
+    logprobs: int | None = None,
 ) -> VllmRejectionOutput:
   """Speculative sampling on vLLM's flat drafts and interleaved `T + B` target rows.
 
@@ -69,13 +79,16 @@ def rejection_sample(
     draft_probs: `[T, V]` draft distributions, or None for a deterministic (n-gram) draft.
     target_probs: `[T + B, V]` target distributions in vLLM's logits layout (request b's
       draft rows then its bonus row, requests in order).
+    logprobs: static; None (default) computes none; n in [0, V] returns
+      `logprobs_tensors` with the top n of every row (module docstring).
 
   Returns:
     A `VllmRejectionOutput`.
 
   Raises:
-    ValueError: as `av_jax.rejection_sample_ragged` (shapes; eagerly also counts that do
-      not fit and draft ids outside [0, V) in verified positions).
+    ValueError: as `av_jax.rejection_sample_ragged` (shapes, `logprobs` outside [0, V];
+      eagerly also counts that do not fit and draft ids outside [0, V) in verified
+      positions).
 
   Example:
     >>> out = rejection_sample(key, draft_token_ids=ids, num_draft_tokens=n,
@@ -95,12 +108,65 @@ def rejection_sample(
     draft_probs = jax.nn.one_hot(jnp.clip(draft_token_ids, 0, V - 1), V, dtype=jnp.float32)
   result = rejection_sample_ragged(
       key, draft_probs=draft_probs, draft_tokens=draft_token_ids,
-      num_draft_tokens=num_draft_tokens, target_probs=target_probs, max_draft_len=K)
+      num_draft_tokens=num_draft_tokens, target_probs=target_probs, max_draft_len=K,
+      logprobs=logprobs, logprob_ranks=True)
   B = result.num_emitted.shape[0]
   index = ragged_index(num_draft_tokens, num_tokens=T, max_draft_len=K)
   i = jnp.arange(K + 1)
   rows = jnp.minimum(index.starts[:, None] + jnp.arange(B)[:, None] + i[None, :], T + B - 1)
-  sampled = jnp.where(i[None, :] < result.num_emitted[:, None], result.tokens[rows],
-                      PLACEHOLDER_TOKEN_ID)
+  emitted = i[None, :] < result.num_emitted[:, None]
+  sampled = jnp.where(emitted, result.tokens[rows], PLACEHOLDER_TOKEN_ID)
+  tensors = None
+  if result.logprobs is not None:
+    # The target rows' layout -> vLLM's flattened `[B, K + 1]` rows; a row past a
+    # request's last token may belong to the next request, so it is masked.
+    def rows_of(values, fill):
+      picked = values[rows]
+      mask = emitted.reshape(emitted.shape + (1,) * (picked.ndim - 2))
+      return jnp.where(mask, picked, fill).reshape((B * (K + 1),) + picked.shape[2:])
+    lp = result.logprobs
+    tensors = LogprobsTensors(logprob_token_ids=rows_of(lp.logprob_token_ids, -1),
+                              logprobs=rows_of(lp.logprobs, jnp.nan),
+                              selected_token_ranks=rows_of(lp.selected_token_ranks, -1))
   return VllmRejectionOutput(sampled_token_ids=sampled, num_accepted=result.num_accepted,
-                             accepted=result.accepted, labeled=result.labeled)
+                             accepted=result.accepted, labeled=result.labeled,
+                             logprobs_tensors=tensors)
+
+
+def labels_from_output(
+    sampled_token_ids: jax.typing.ArrayLike,
+    num_draft_tokens: jax.typing.ArrayLike,
+    *,
+    learn: jax.typing.ArrayLike | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """AV's `[B, K]` labels from vLLM's `sampled_token_ids [B, K + 1]` alone.
+
+  Request b emitted `n_b` tokens (its non-placeholder entries): it accepted `n_b - 1`
+  drafts, and rejected the next when that is fewer than its `num_draft_tokens[b]`. E.g.
+  rows `[[1, 2, 5], [3, 7, -1]]` with 2 drafts each: request 0 accepted both (5 is its
+  bonus token), request 1 accepted one and rejected its second draft.
+
+  Args:
+    sampled_token_ids: `[B, K + 1]` vLLM's output rows, -1 after each request's last token.
+    num_draft_tokens: `[B]` drafts per request.
+    learn: optional `[B]` bool, requests whose labels the estimator learns from; a
+      request whose target applied a transform the drafter never sees (penalties,
+      banned ids, a grammar) passes False and gets no label (`accepted` is kept).
+
+  Returns:
+    `(accepted [B, K], labeled [B, K], num_rejected_tokens [B])`.
+  """
+  sampled_token_ids = jnp.asarray(sampled_token_ids)
+  num_draft_tokens = jnp.asarray(num_draft_tokens)
+  _checks.rank("sampled_token_ids", sampled_token_ids, 2, "B,K+1")
+  _checks.integer("sampled_token_ids", sampled_token_ids)
+  B, K = sampled_token_ids.shape[0], sampled_token_ids.shape[1] - 1
+  _checks.shape("num_draft_tokens", num_draft_tokens, (B,), "B")
+  _checks.integer("num_draft_tokens", num_draft_tokens)
+  counts = jnp.clip(num_draft_tokens.astype(jnp.int32), 0, K)
+  emitted = jnp.sum(sampled_token_ids != PLACEHOLDER_TOKEN_ID, axis=-1, dtype=jnp.int32)
+  num_accepted = jnp.clip(emitted - 1, 0, counts)
+  pos = jnp.arange(K)[None, :]
+  accepted = pos < num_accepted[:, None]
+  labeled = accepted | ((pos == num_accepted[:, None]) & (num_accepted < counts)[:, None])
+  return accepted, mask_labels(labeled, learn), counts - num_accepted

@@ -63,7 +63,7 @@ def test_generated_tokens_follow_target_distribution(kind, mode, top_p):
   cfg, drafter, params = fx.pair(kind)
   engine = E.make_engine(E.EngineConfig(num_slots=64, max_draft=3, max_len=32, mode=mode,
                                         temperature=1.0, top_p=top_p, steps_per_chunk=2,
-                                        refit_interval=4, explore_every=2),
+                                        refit_interval=4),
                          cfg, drafter)
   result = E.generate(engine, params, [PROMPT] * NUM_REQUESTS, max_new_tokens=3,
                       key=fx.key(11))
@@ -78,15 +78,15 @@ def test_generated_tokens_follow_target_distribution(kind, mode, top_p):
 
 
 def test_skipping_unprofitable_drafts_keeps_the_target_distribution():
-  """AV with a parallel drafter stops drafting while drafting does not pay (decided from
-  earlier steps only) and drafts again at exploration steps: both paths are exercised
-  and the emitted tokens still follow the target's law."""
+  """AV with a parallel drafter drafts only where its plan (from earlier steps only) says
+  drafting pays: steps that draft and steps that do not both occur, and the emitted
+  tokens still follow the target's law."""
   from av_jax.selection import make_cost_model
   cfg, drafter, params = fx.pair("block")
   B, K = 64, 3
   engine = E.make_engine(E.EngineConfig(num_slots=B, max_draft=K, max_len=32, mode="av",
-                                        temperature=1.0, steps_per_chunk=2, refit_interval=4,
-                                        explore_every=2), cfg, drafter)
+                                        temperature=1.0, steps_per_chunk=2, refit_interval=4),
+                         cfg, drafter)
   # Drafting costs as much as a target step: it pays only with near-certain acceptance.
   cost = make_cost_model(np.full(B + 1, 1.0), 1.0 + 0.002 * np.arange(B * (K + 1) + 1))
   result = E.generate(engine, params, [PROMPT] * NUM_REQUESTS, max_new_tokens=3,

@@ -34,6 +34,7 @@ The decision that also chooses who drafts and how deep is `av_jax.policy`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable, NamedTuple
 
 import jax
@@ -116,6 +117,124 @@ def is_exact(policy: str, *, drafter_kind: str, greedy: bool) -> bool:
   return policy != "current" or exact_policy(drafter_kind=drafter_kind, greedy=greedy) == "current"
 
 
+def _init(config: PlannerConfig, num_slots: int | None = None) -> PlannerState:
+  if num_slots is not None and (isinstance(num_slots, bool)
+                                or not isinstance(num_slots, int) or num_slots < 1):
+    raise ValueError(f"num_slots: expected None or an integer >= 1, got {num_slots!r}")
+  initial = config.initial_budget
+  budget = _ALL if initial is None else int(initial)
+  return PlannerState(budget=jnp.asarray(budget, jnp.int32), step=jnp.asarray(0, jnp.int32))
+
+
+def _explored_slots(config: PlannerConfig, policy: str, state: PlannerState,
+                    candidates: jax.Array) -> jax.Array:
+  """`[B]` bool: slot `(step // explore_every) % B` on an exploration step, if it is a
+  candidate (active)."""
+  B = candidates.shape[0]
+  explore_every = config.explore_every
+  if not (explore_every > 0 and policy in ("current", "lagged")):
+    return jnp.zeros((B,), bool)
+  first = (state.step // explore_every) % B
+  return (jnp.arange(B) == first) & (state.step % explore_every == 0) & candidates
+
+
+def _confident_prefix(config: PlannerConfig, top1, drafted):
+  """`[B]` int32, leading drafted positions whose top-1 probability is >= T."""
+  ok = drafted & (jnp.asarray(top1, jnp.float32) >= config.confidence_threshold)
+  return jnp.sum(jnp.cumprod(ok, axis=1), axis=1, dtype=jnp.int32)
+
+
+def _keep_drafting(config: PlannerConfig, state: PlannerState, probs, drafted, depth, *,
+                   active, top1=None, slots=None) -> jax.Array:
+  del state, slots
+  K = jnp.shape(probs)[1]
+  drafted = jnp.asarray(drafted) & (jnp.arange(K)[None] < depth)  # nothing deeper read
+  active = jnp.asarray(active)
+  column = jnp.take(drafted, jnp.clip(depth - 1, 0, K - 1), axis=1)
+  if config.draft_stop == "confidence":
+    if top1 is None:
+      raise ValueError("top1: required by the confidence stop, got None")
+    alive = active & (_confident_prefix(config, jnp.where(drafted, top1, 0.0), drafted) >= depth)
+    return active & column & jnp.any(alive)
+  return active & column
+
+
+def _plan(config: PlannerConfig, policy: str, state: PlannerState,
+          probs: jax.typing.ArrayLike, cost: CostModel, *,
+          active: jax.typing.ArrayLike | None = None,
+          sound: jax.typing.ArrayLike | None = None,
+          drafting: jax.typing.ArrayLike = True,
+          drafted: jax.typing.ArrayLike | None = None,
+          top1: jax.typing.ArrayLike | None = None) -> tuple[Plan, PlannerState]:
+  if not isinstance(cost, CostModel):
+    raise ValueError(f"cost: expected a CostModel (av_jax.make_cost_model), the third "
+                     f"argument of plan, got {type(cost).__name__}")
+  check_probabilities("probs", probs)
+  probs = jnp.asarray(probs, jnp.float32)
+  _checks.rank("probs", probs, 2, "BK")
+  B, K = probs.shape
+  active = jnp.ones((B,), bool) if active is None else jnp.asarray(active)
+  _checks.shape("active", active, (B,), "B")
+  _checks.boolean("active", active)
+  drafting = jnp.asarray(drafting)
+  if drafting.ndim:
+    _checks.shape("drafting", drafting, (B,), "B")
+  _checks.boolean("drafting", drafting)
+  drafting = jnp.broadcast_to(drafting, (B,))
+  explored = _explored_slots(config, policy, state, active)
+  if sound is not None:
+    sound = jnp.asarray(sound)
+    _checks.shape("sound", sound, (B,), "B")
+    _checks.boolean("sound", sound)
+    explored = explored & sound
+  drafted_slots = active & drafting  # reported in the plan (before `sound`)
+  # R counts every active slot: each verifies its own token, whether it drafted or not.
+  R = jnp.sum(active, dtype=jnp.int32)
+  if sound is not None:
+    active = active & sound  # an unsound slot is a target-only slot this step
+  planned = active & drafting  # the active slots whose drafts the plan may verify
+  d = jnp.sum(planned, dtype=jnp.int32)
+  surv = survival(probs)
+  next_budget = state.budget
+  if drafted is not None:
+    drafted = jnp.asarray(drafted)
+    _checks.shape("drafted", drafted, (B, K), "BK")
+    _checks.boolean("drafted", drafted)
+  if policy in ("current", "lagged"):
+    if drafted is None:
+      check_cost_table(cost, B, K)
+    usable = planned[:, None] if drafted is None else planned[:, None] & drafted
+    # Positions never drafted, and slots that did not draft, are ranked -1: no budget,
+    # no verification. Every active slot still verifies its one token.
+    ranking = _rank(jnp.where(usable, _ranked_survival(surv, active), -1.0))
+    optimal = _budget(ranking, cost, R, K, num_drafting=d)
+    budget = state.budget if policy == "lagged" else optimal
+    mask = _allocation(ranking, budget, B, K)
+    if policy == "lagged":  # a step that did not draft has nothing to plan from
+      next_budget = jnp.where(jnp.any(drafting), optimal, state.budget)
+  else:
+    budget = jnp.asarray(B * K if policy == "fixed" else 0, jnp.int32)
+    mask = allocate(surv, budget, active=active)
+    if config.draft_stop == "confidence" and policy == "fixed":
+      # confstop: every active request verifies clip(L, 1, K) drafts, L the longest
+      # confident prefix in the batch.
+      if top1 is None:
+        raise ValueError("top1: required by the confidence stop, got None")
+      seen = jnp.ones((B, K), bool) if drafted is None else drafted
+      longest = jnp.max(jnp.where(active, _confident_prefix(config, top1, seen), 0))
+      count = jnp.clip(longest, 1, K)
+      mask = active[:, None] & (jnp.arange(K)[None] < count)
+      budget = jnp.sum(mask & seen, dtype=jnp.int32)
+  explored = explored & active & drafting
+  mask = (mask | explored[:, None]) & drafting[:, None]
+  if drafted is not None:  # verify only what was drafted (a prefix per slot)
+    mask = mask & drafted
+  plan_ = Plan(num_verified=jnp.sum(mask, axis=-1, dtype=jnp.int32), mask=mask,
+               budget=jnp.minimum(budget, B * K), explored=explored,
+               drafting=drafted_slots)
+  return plan_, state._replace(budget=next_budget, step=state.step + 1)
+
+
 def make_planner(
     config: PlannerConfig | None = None,
     *,
@@ -159,119 +278,7 @@ def make_planner(
   config = dataclasses.replace(config or PlannerConfig(), **overrides)
   if policy not in POLICIES:
     raise ValueError(f"policy: expected one of {POLICIES}, got {policy!r}")
-  explore_every = config.explore_every
-  adaptive = policy in ("current", "lagged")
-  stop = config.draft_stop
-
-  def init(num_slots: int | None = None) -> PlannerState:
-    if num_slots is not None and (isinstance(num_slots, bool)
-                                  or not isinstance(num_slots, int) or num_slots < 1):
-      raise ValueError(f"num_slots: expected None or an integer >= 1, got {num_slots!r}")
-    initial = config.initial_budget
-    budget = _ALL if initial is None else int(initial)
-    return PlannerState(budget=jnp.asarray(budget, jnp.int32), step=jnp.asarray(0, jnp.int32))
-
-  def explored_slots(state: PlannerState, candidates: jax.Array) -> jax.Array:
-    """`[B]` bool: slot `(step // explore_every) % B` on an exploration step, if it is a
-    candidate (active)."""
-    B = candidates.shape[0]
-    if not (explore_every > 0 and adaptive):
-      return jnp.zeros((B,), bool)
-    first = (state.step // explore_every) % B
-    return (jnp.arange(B) == first) & (state.step % explore_every == 0) & candidates
-
-  def confident_prefix(top1, drafted):
-    """`[B]` int32, leading drafted positions whose top-1 probability is >= T."""
-    ok = drafted & (jnp.asarray(top1, jnp.float32) >= config.confidence_threshold)
-    return jnp.sum(jnp.cumprod(ok, axis=1), axis=1, dtype=jnp.int32)
-
-  def keep_drafting(state: PlannerState, probs, drafted, depth, *, active,
-                    top1=None, slots=None) -> jax.Array:
-    del state, slots
-    K = jnp.shape(probs)[1]
-    drafted = jnp.asarray(drafted) & (jnp.arange(K)[None] < depth)  # nothing deeper read
-    active = jnp.asarray(active)
-    column = jnp.take(drafted, jnp.clip(depth - 1, 0, K - 1), axis=1)
-    if stop == "confidence":
-      if top1 is None:
-        raise ValueError("top1: required by the confidence stop, got None")
-      alive = active & (confident_prefix(jnp.where(drafted, top1, 0.0), drafted) >= depth)
-      return active & column & jnp.any(alive)
-    return active & column
-
-  def plan(state: PlannerState, probs: jax.typing.ArrayLike, cost: CostModel, *,
-           active: jax.typing.ArrayLike | None = None,
-           sound: jax.typing.ArrayLike | None = None,
-           drafting: jax.typing.ArrayLike = True,
-           drafted: jax.typing.ArrayLike | None = None,
-           top1: jax.typing.ArrayLike | None = None) -> tuple[Plan, PlannerState]:
-    if not isinstance(cost, CostModel):
-      raise ValueError(f"cost: expected a CostModel (av_jax.make_cost_model), the third "
-                       f"argument of plan, got {type(cost).__name__}")
-    check_probabilities("probs", probs)
-    probs = jnp.asarray(probs, jnp.float32)
-    _checks.rank("probs", probs, 2, "BK")
-    B, K = probs.shape
-    active = jnp.ones((B,), bool) if active is None else jnp.asarray(active)
-    _checks.shape("active", active, (B,), "B")
-    _checks.boolean("active", active)
-    drafting = jnp.asarray(drafting)
-    if drafting.ndim:
-      _checks.shape("drafting", drafting, (B,), "B")
-    _checks.boolean("drafting", drafting)
-    drafting = jnp.broadcast_to(drafting, (B,))
-    explored = explored_slots(state, active)
-    if sound is not None:
-      sound = jnp.asarray(sound)
-      _checks.shape("sound", sound, (B,), "B")
-      _checks.boolean("sound", sound)
-      explored = explored & sound
-    drafted_slots = active & drafting  # reported in the plan (before `sound`)
-    # R counts every active slot: each verifies its own token, whether it drafted or not.
-    R = jnp.sum(active, dtype=jnp.int32)
-    if sound is not None:
-      active = active & sound  # an unsound slot is a target-only slot this step
-    planned = active & drafting  # the active slots whose drafts the plan may verify
-    d = jnp.sum(planned, dtype=jnp.int32)
-    surv = survival(probs)
-    next_budget = state.budget
-    if drafted is not None:
-      drafted = jnp.asarray(drafted)
-      _checks.shape("drafted", drafted, (B, K), "BK")
-      _checks.boolean("drafted", drafted)
-    if policy in ("current", "lagged"):
-      if drafted is None:
-        check_cost_table(cost, B, K)
-      usable = planned[:, None] if drafted is None else planned[:, None] & drafted
-      # Positions never drafted, and slots that did not draft, are ranked -1: no budget,
-      # no verification. Every active slot still verifies its one token.
-      ranking = _rank(jnp.where(usable, _ranked_survival(surv, active), -1.0))
-      optimal = _budget(ranking, cost, R, K, num_drafting=d)
-      budget = state.budget if policy == "lagged" else optimal
-      mask = _allocation(ranking, budget, B, K)
-      if policy == "lagged":  # a step that did not draft has nothing to plan from
-        next_budget = jnp.where(jnp.any(drafting), optimal, state.budget)
-    else:
-      budget = jnp.asarray(B * K if policy == "fixed" else 0, jnp.int32)
-      mask = allocate(surv, budget, active=active)
-      if stop == "confidence" and policy == "fixed":
-        # confstop: every active request verifies clip(L, 1, K) drafts, L the longest
-        # confident prefix in the batch.
-        if top1 is None:
-          raise ValueError("top1: required by the confidence stop, got None")
-        seen = jnp.ones((B, K), bool) if drafted is None else drafted
-        longest = jnp.max(jnp.where(active, confident_prefix(top1, seen), 0))
-        count = jnp.clip(longest, 1, K)
-        mask = active[:, None] & (jnp.arange(K)[None] < count)
-        budget = jnp.sum(mask & seen, dtype=jnp.int32)
-    explored = explored & active & drafting
-    mask = (mask | explored[:, None]) & drafting[:, None]
-    if drafted is not None:  # verify only what was drafted (a prefix per slot)
-      mask = mask & drafted
-    plan_ = Plan(num_verified=jnp.sum(mask, axis=-1, dtype=jnp.int32), mask=mask,
-                 budget=jnp.minimum(budget, B * K), explored=explored,
-                 drafting=drafted_slots)
-    return plan_, state._replace(budget=next_budget, step=state.step + 1)
-
-  return Planner(init=init, plan=plan, policy=policy, config=config,
-                 keep_drafting=keep_drafting, stop=stop)
+  return Planner(init=functools.partial(_init, config),
+                 plan=functools.partial(_plan, config, policy), policy=policy,
+                 config=config, keep_drafting=functools.partial(_keep_drafting, config),
+                 stop=config.draft_stop)

@@ -4,9 +4,9 @@ Attention runs in one of four modes, chosen statically:
 
 * `causal`: no cache; `x [B,S,D]`, token s attends to tokens of the same row with
   position <= its own (training and the uncached reference).
-* `dense`: KV cache `[B,M,H,Dh]`; `x [B,S,D]` writes its K/V at `[b, position]` and then
+* `dense`: KV cache `[B,H,M,Dh]`; `x [B,S,D]` writes its K/V at `[b, position]` and then
   attends to cache entries of row b with position <= its own.
-* `packed`: KV cache `[B,M,H,Dh]`; `x [T,D]` with `slot [T]`: token t writes its K/V at
+* `packed`: KV cache `[B,H,M,Dh]`; `x [T,D]` with `slot [T]`: token t writes its K/V at
   `[slot_t, position_t]` and attends to its slot's entries with position <= its own. Since
   all writes happen before the attention reads, earlier packed tokens of the same slot are
   seen exactly like cached ones.
@@ -40,9 +40,9 @@ _MASKED = -1e30  # finite, so a row with every entry masked gives a uniform, not
 
 
 class LayerKV(NamedTuple):
-  """KV cache of one attention layer."""
-  k: jax.Array  # [B, M, H, Dh] keys (RoPE applied)
-  v: jax.Array  # [B, M, H, Dh] values
+  """KV cache of one attention layer, heads-major (see `transformer.KVCache`)."""
+  k: jax.Array  # [B, H, M, Dh] keys (RoPE applied)
+  v: jax.Array  # [B, H, M, Dh] values
 
 
 def rope(x: jax.Array, positions: jax.Array, *, theta: float) -> jax.Array:
@@ -94,6 +94,21 @@ def _attend(q, k, v, mask):
   return jnp.einsum("...hqk,...khd->...qhd", weights, v)
 
 
+def _attend_cache(q, k, v, mask):
+  """`_attend` of queries `q [B, S, H, Dh]` to a heads-major cache `k, v [B, H, M, Dh]`
+  under `mask [B, S, M]`: batched over (slot, head) with no transpose of the cache."""
+  scores = jnp.einsum("bqhd,bhkd->bhqk", q, k) / jnp.sqrt(q.shape[-1]).astype(q.dtype)
+  scores = jnp.where(mask[:, None], scores, _MASKED)
+  weights = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(v.dtype)
+  return jnp.einsum("bhqk,bhkd->bqhd", weights, v)
+
+
+def _entries(cache_leaf, rows, positions, values):
+  """`cache_leaf [B, H, M, Dh]` with `values [*S, H, Dh]` at `(rows, positions)` (index
+  arrays broadcasting to S); positions >= M dropped."""
+  return cache_leaf.at[rows, :, positions].set(values.astype(cache_leaf.dtype), mode="drop")
+
+
 def pick_columns(x: jax.Array, pick: jax.Array) -> jax.Array:
   """`x[b, pick[b]]` kept as a column: `[B, S, ...]` -> `[B, 1, ...]`."""
   return jnp.take_along_axis(x, pick.reshape(pick.shape + (1,) * (x.ndim - 1)), 1)
@@ -106,7 +121,7 @@ def _attend_packed_read(q, k, v, cache: LayerKV, *, slot, positions, write_posit
   padding. Keys: the slot's cached entries (minus the positions this pass writes) and
   this pass's valid tokens of the same slot; one softmax over both.
   """
-  batch, max_len = cache.k.shape[0], cache.k.shape[1]
+  batch, max_len = cache.k.shape[0], cache.k.shape[2]
   valid = write_positions < max_len
   written = jnp.zeros((batch, max_len), bool).at[slot, write_positions].set(True, mode="drop")
   m = jnp.arange(max_len)[None, :]
@@ -114,13 +129,13 @@ def _attend_packed_read(q, k, v, cache: LayerKV, *, slot, positions, write_posit
   new = (valid[None, :] & (slot[None, :] == slot[:, None])
          & (positions[None, :] <= positions[:, None]))                          # [T, T]
   scale = jnp.sqrt(q.shape[-1]).astype(q.dtype)
-  keys, values = cache.k[slot], cache.v[slot]                                    # [T, M, H, Dh]
-  s_old = jnp.einsum("thd,tmhd->thm", q, keys) / scale
+  keys, values = cache.k[slot], cache.v[slot]                                    # [T, H, M, Dh]
+  s_old = jnp.einsum("thd,thmd->thm", q, keys) / scale
   s_new = jnp.einsum("thd,uhd->thu", q, k) / scale
   scores = jnp.concatenate([jnp.where(old[:, None, :], s_old, _MASKED),
                             jnp.where(new[:, None, :], s_new, _MASKED)], axis=-1)
   weights = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(v.dtype)
-  return (jnp.einsum("thm,tmhd->thd", weights[..., :max_len], values)
+  return (jnp.einsum("thm,thmd->thd", weights[..., :max_len], values)
           + jnp.einsum("thu,uhd->thd", weights[..., max_len:], v))
 
 
@@ -134,7 +149,7 @@ def _attend_slotted_read(q, k, v, cache: LayerKV, *, slot, positions, write_posi
   `width` valid tokens per slot (the engine's K + 1); a valid token beyond that would be
   dropped from the attention, so `width` must bound every slot's count. Padding tokens'
   outputs are junk."""
-  batch, max_len = cache.k.shape[0], cache.k.shape[1]
+  batch, max_len = cache.k.shape[0], cache.k.shape[2]
   valid = write_positions < max_len
   mine = valid[:, None] & (slot[:, None] == jnp.arange(batch)[None, :])          # [T, B]
   rank = jnp.take_along_axis(jnp.cumsum(mine, axis=0), slot[:, None], 1)[:, 0] - 1
@@ -149,12 +164,12 @@ def _attend_slotted_read(q, k, v, cache: LayerKV, *, slot, positions, write_posi
   old = (m <= P[:, :, None]) & ~written[:, None, :]                  # [B, W, M]
   new = W[:, None, :] & (P[:, None, :] <= P[:, :, None])             # [B, W, W]
   scale = jnp.sqrt(q.shape[-1]).astype(q.dtype)
-  s_old = jnp.einsum("bihd,bmhd->bhim", Q, cache.k) / scale
+  s_old = jnp.einsum("bihd,bhmd->bhim", Q, cache.k) / scale
   s_new = jnp.einsum("bihd,bjhd->bhij", Q, Kn) / scale
   scores = jnp.concatenate([jnp.where(old[:, None], s_old, _MASKED),
                             jnp.where(new[:, None], s_new, _MASKED)], axis=-1)
   weights = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(v.dtype)
-  out = (jnp.einsum("bhim,bmhd->bihd", weights[..., :max_len], cache.v)
+  out = (jnp.einsum("bhim,bhmd->bihd", weights[..., :max_len], cache.v)
          + jnp.einsum("bhij,bjhd->bihd", weights[..., max_len:], Vn))     # [B, W, H, Dh]
   return out[slot, jnp.minimum(row, width - 1)]                      # [T, H, Dh]
 
@@ -190,21 +205,21 @@ class Attention(nn.Module):
       mask = jnp.ones(x.shape[:-1] + x.shape[-2:-1], bool)
       out = _attend(q, k, v, mask)
     elif self.mode == "dense":
-      batch, max_len = cache.k.shape[0], cache.k.shape[1]
+      batch, max_len = cache.k.shape[0], cache.k.shape[2]
       rows = jnp.arange(batch)[:, None]
-      new_cache = LayerKV(cache.k.at[rows, write_positions].set(k, mode="drop"),
-                          cache.v.at[rows, write_positions].set(v, mode="drop"))
+      new_cache = LayerKV(_entries(cache.k, rows, write_positions, k),
+                          _entries(cache.v, rows, write_positions, v))
       mask = jnp.arange(max_len)[None, None, :] <= positions[:, :, None]  # [B, S, M]
       if pick is not None:
         q, mask = pick_columns(q, pick), pick_columns(mask, pick)
-      out = _attend(q, new_cache.k, new_cache.v, mask)
+      out = _attend_cache(q, new_cache.k, new_cache.v, mask)
     elif self.mode == "packed":
-      max_len = cache.k.shape[1]
-      new_cache = LayerKV(cache.k.at[slot, write_positions].set(k, mode="drop"),
-                          cache.v.at[slot, write_positions].set(v, mode="drop"))
-      keys, values = new_cache.k[slot], new_cache.v[slot]  # [T, M, H, Dh]
+      max_len = cache.k.shape[2]
+      new_cache = LayerKV(_entries(cache.k, slot, write_positions, k),
+                          _entries(cache.v, slot, write_positions, v))
+      keys, values = new_cache.k[slot], new_cache.v[slot]  # [T, H, M, Dh]
       mask = jnp.arange(max_len)[None, None, :] <= positions[:, None, None]  # [T, 1, M]
-      out = _attend(q[:, None], keys, values, mask)[:, 0]
+      out = _attend_cache(q[:, None], keys, values, mask)[:, 0]
     elif self.mode == "packed_read":
       if self.slot_width is None:
         out = _attend_packed_read(q, k, v, cache, slot=slot, positions=positions,

@@ -139,20 +139,47 @@ def _attend_packed_read(q, k, v, cache: LayerKV, *, slot, positions, write_posit
           + jnp.einsum("thu,uhd->thd", weights[..., max_len:], v))
 
 
+def length_buckets(max_len: int, *, smallest: int = 64) -> tuple[int, ...]:
+  """Static cache lengths attention is bounded by: `max_len` halved down to `smallest`.
+
+  A pass attends over the smallest bucket that holds every position it reads (its
+  tokens' largest position + 1), so its cost follows the live length, not `max_len`.
+  E.g. `length_buckets(512)` is `(64, 128, 256, 512)`; `length_buckets(48)` is `(48,)`.
+  """
+  sizes = [max_len]
+  while sizes[-1] // 2 >= smallest and sizes[-1] % 2 == 0:
+    sizes.append(sizes[-1] // 2)
+  return tuple(sorted(sizes))
+
+
+def _bucket(sizes: tuple[int, ...], need: jax.Array) -> jax.Array:
+  """Index of the smallest of `sizes` (ascending) >= `need`, the last if none is."""
+  return jnp.minimum(jnp.searchsorted(jnp.asarray(sizes), need, side="left"),
+                     len(sizes) - 1).astype(jnp.int32)
+
+
 def _attend_slotted_read(q, k, v, cache: LayerKV, *, slot, positions, write_positions,
-                         width: int):
-  """`_attend_packed_read` computed per slot: the pass's valid tokens laid out `[B, width]`
+                         width: int, layer: int | None = None):
+  """`_attend_packed_read` computed per slot: the pass's valid tokens laid out `[B, w]`
   (each slot's in pass order), attention of each slot's queries to its own cache rows
   and its own new tokens, then back to the packed order. Reads the cache once, as a
   plain step does, where the per-token form gathers a slot's whole cache for each of
-  the T tokens (`[T, M, H, Dh]`: most of a full bucket's cost on a CPU). Requires at most
-  `width` valid tokens per slot (the engine's K + 1); a valid token beyond that would be
-  dropped from the attention, so `width` must bound every slot's count. Padding tokens'
-  outputs are junk."""
-  batch, max_len = cache.k.shape[0], cache.k.shape[2]
+  the T tokens (`[T, H, M, Dh]`).
+
+  Two static sizes are picked per pass from the data (`lax.switch`, one branch each):
+  w, the most valid tokens one slot holds (1, or `width`: a pass of base tokens alone
+  runs a plain step's `[B, 1]` queries whatever its bucket), and the cache length read,
+  the smallest of `length_buckets(M)` above every valid token's position (entries above
+  a query's position are masked anyway). Requires at most `width` valid tokens per slot
+  (the engine's K + 1); a valid token beyond that would be dropped from the attention.
+  `cache` is a layer's `[B, H, M, Dh]`, or with `layer` the stacked `[L, B, H, M, Dh]`
+  (sliced inside the branch: only the live positions are copied for the products).
+  Padding tokens' outputs are junk."""
+  batch, max_len = cache.k.shape[-4], cache.k.shape[-2]
   valid = write_positions < max_len
   mine = valid[:, None] & (slot[:, None] == jnp.arange(batch)[None, :])          # [T, B]
-  rank = jnp.take_along_axis(jnp.cumsum(mine, axis=0), slot[:, None], 1)[:, 0] - 1
+  count = jnp.cumsum(mine, axis=0)
+  rank = jnp.take_along_axis(count, slot[:, None], 1)[:, 0] - 1
   row = jnp.where(valid, rank, width)                                # padding -> dropped
   lay = lambda x, fill: jnp.full((batch, width) + x.shape[1:], fill, x.dtype).at[
       slot, row].set(x, mode="drop")
@@ -160,18 +187,35 @@ def _attend_slotted_read(q, k, v, cache: LayerKV, *, slot, positions, write_posi
   P = lay(positions, -1)                                             # [B, W]
   W = lay(valid, False)                                              # [B, W]
   written = jnp.zeros((batch, max_len), bool).at[slot, write_positions].set(True, mode="drop")
-  m = jnp.arange(max_len)[None, None, :]
-  old = (m <= P[:, :, None]) & ~written[:, None, :]                  # [B, W, M]
-  new = W[:, None, :] & (P[:, None, :] <= P[:, :, None])             # [B, W, W]
   scale = jnp.sqrt(q.shape[-1]).astype(q.dtype)
-  s_old = jnp.einsum("bihd,bhmd->bhim", Q, cache.k) / scale
-  s_new = jnp.einsum("bihd,bjhd->bhij", Q, Kn) / scale
-  scores = jnp.concatenate([jnp.where(old[:, None], s_old, _MASKED),
-                            jnp.where(new[:, None], s_new, _MASKED)], axis=-1)
-  weights = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(v.dtype)
-  out = (jnp.einsum("bhim,bhmd->bihd", weights[..., :max_len], cache.v)
-         + jnp.einsum("bhij,bjhd->bihd", weights[..., max_len:], Vn))     # [B, W, H, Dh]
-  return out[slot, jnp.minimum(row, width - 1)]                      # [T, H, Dh]
+  widths = (1, width) if width > 1 else (1,)
+  lengths = length_buckets(max_len)
+  live = jnp.max(jnp.where(valid, positions, 0)) + 1
+  most = jnp.max(count[-1]) if count.shape[0] else jnp.zeros((), jnp.int32)
+
+  def branch(w, m):
+    def run(cache_k, cache_v):
+      if layer is not None:
+        cache_k, cache_v = cache_k[layer], cache_v[layer]
+      ck, cv = cache_k[:, :, :m], cache_v[:, :, :m]                  # [B, H, m, Dh]
+      p = P[:, :w]
+      old = (jnp.arange(m)[None, None, :] <= p[:, :, None]) & ~written[:, None, :m]
+      new = W[:, None, :w] & (p[:, None, :] <= p[:, :, None])        # [B, w, w]
+      s_old = jnp.einsum("bihd,bhmd->bhim", Q[:, :w], ck) / scale
+      s_new = jnp.einsum("bihd,bjhd->bhij", Q[:, :w], Kn[:, :w]) / scale
+      scores = jnp.concatenate([jnp.where(old[:, None], s_old, _MASKED),
+                                jnp.where(new[:, None], s_new, _MASKED)], axis=-1)
+      weights = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(v.dtype)
+      out = (jnp.einsum("bhim,bhmd->bihd", weights[..., :m], cv)
+             + jnp.einsum("bhij,bjhd->bihd", weights[..., m:], Vn[:, :w]))  # [B, w, H, Dh]
+      return out[slot, jnp.minimum(row, w - 1)]                      # [T, H, Dh]
+    return run
+
+  branches = [branch(w, m) for w in widths for m in lengths]
+  index = (_bucket(widths, most) * len(lengths) + _bucket(lengths, live)).astype(jnp.int32)
+  if len(branches) == 1:
+    return branches[0](cache.k, cache.v)
+  return jax.lax.switch(index, branches, cache.k, cache.v)
 
 
 class Attention(nn.Module):
@@ -183,6 +227,9 @@ class Attention(nn.Module):
   # packed_read: at most this many valid tokens per slot -> per-slot attention
   # (`_attend_slotted_read`); None: per token (`_attend_packed_read`).
   slot_width: int | None = None
+  # packed_read with `slot_width`: `cache` is every layer's `[L, B, H, M, Dh]` and this is
+  # the layer's index (sliced where it is read, only the live positions).
+  layer: int | None = None
 
   @nn.compact
   def __call__(self, x, positions, cache: LayerKV | None = None, slot=None,
@@ -226,7 +273,8 @@ class Attention(nn.Module):
                                   write_positions=write_positions)
       else:
         out = _attend_slotted_read(q, k, v, cache, slot=slot, positions=positions,
-                                   write_positions=write_positions, width=self.slot_width)
+                                   write_positions=write_positions, width=self.slot_width,
+                                   layer=self.layer)
       new_cache = LayerKV(k, v)  # [T, H, Dh]: this pass's entries, to be written
     else:
       raise ValueError(f"unknown attention mode {self.mode!r}")
@@ -242,13 +290,14 @@ class Block(nn.Module):
   rope_theta: float
   mode: str
   slot_width: int | None = None  # `Attention.slot_width`
+  layer: int | None = None       # `Attention.layer`
 
   @nn.compact
   def __call__(self, x, positions, cache=None, slot=None, write_positions=None, pick=None):
     """`pick [B]`: only column `pick[b]` of row b goes on past the keys and values
     (`Attention`'s pick): the output is `[B, 1, D]`."""
     attn = Attention(self.num_heads, self.head_dim, self.rope_theta, self.mode,
-                     self.slot_width, name="attn")
+                     self.slot_width, self.layer, name="attn")
     h, new_cache = attn(RMSNorm(name="attn_norm")(x), positions, cache, slot, write_positions,
                         pick)
     x = (x if pick is None else pick_columns(x, pick)) + h

@@ -88,10 +88,16 @@ class Transformer(nn.Module):
                      name="embed")
     x = embed(tokens) * math.sqrt(cfg.d_model)
     ks, vs = [], []
+    # The slotted read pass hands every layer the whole stacked cache and its index: a
+    # layer's slice taken here would be copied whole (XLA:CPU materialises a slice that
+    # feeds a product), where the attention slices the live positions only.
+    stacked = self.mode == "packed_read" and self.slot_width is not None
     for i in range(cfg.num_layers):
-      layer_cache = None if cache is None else LayerKV(cache.k[i], cache.v[i])
+      layer_cache = (None if cache is None else LayerKV(cache.k, cache.v) if stacked
+                     else LayerKV(cache.k[i], cache.v[i]))
       x, new_layer = Block(cfg.num_heads, cfg.head_dim, cfg.mlp_dim, cfg.rope_theta,
-                           self.mode, self.slot_width, name=f"layer_{i}")(
+                           self.mode, self.slot_width, i if stacked else None,
+                           name=f"layer_{i}")(
                                x, positions, layer_cache, slot, write_positions,
                                pick if i == cfg.num_layers - 1 else None)
       if new_layer is not None:

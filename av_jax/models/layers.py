@@ -18,8 +18,10 @@ Attention runs in one of four modes, chosen statically:
   (`transformer.write_packed`). A cache updated inside a branch of a `lax.cond` /
   `lax.switch` in a decode loop is copied whole by XLA on every step; read here and
   written after the branch, it is updated in place. With `slot_width` W (at most W
-  valid tokens per slot) the same attention runs per slot on a `[B, W]` layout, reading
-  the cache once instead of gathering a slot's cache for every token.
+  valid tokens per slot) the same attention runs per slot, reading each slot's cache
+  once instead of gathering it for every token: every slot's first token from a `[B, 1]`
+  layout, the later tokens of the slots holding several from an `[E, W - 1]` one, over
+  the live positions only (`_attend_slotted_read`).
 * `bidirectional`: no cache, no mask (the block drafter's K query slots).
 
 Writes at position >= M are dropped: callers mark invalid (padding) tokens by writing at
@@ -139,15 +141,16 @@ def _attend_packed_read(q, k, v, cache: LayerKV, *, slot, positions, write_posit
           + jnp.einsum("thu,uhd->thd", weights[..., max_len:], v))
 
 
-def length_buckets(max_len: int, *, smallest: int = 64) -> tuple[int, ...]:
-  """Static cache lengths attention is bounded by: `max_len` halved down to `smallest`.
+def length_buckets(max_len: int, *, smallest: int = 64, count: int = 3) -> tuple[int, ...]:
+  """Static cache lengths attention is bounded by: `max_len` halved, at most `count`
+  sizes, none below `smallest` (each is a compiled branch of every layer's attention).
 
   A pass attends over the smallest bucket that holds every position it reads (its
   tokens' largest position + 1), so its cost follows the live length, not `max_len`.
-  E.g. `length_buckets(512)` is `(64, 128, 256, 512)`; `length_buckets(48)` is `(48,)`.
+  E.g. `length_buckets(512)` is `(128, 256, 512)`; `length_buckets(48)` is `(48,)`.
   """
   sizes = [max_len]
-  while sizes[-1] // 2 >= smallest and sizes[-1] % 2 == 0:
+  while (len(sizes) < count and sizes[-1] // 2 >= smallest and sizes[-1] % 2 == 0):
     sizes.append(sizes[-1] // 2)
   return tuple(sorted(sizes))
 
@@ -158,23 +161,35 @@ def _bucket(sizes: tuple[int, ...], need: jax.Array) -> jax.Array:
                      len(sizes) - 1).astype(jnp.int32)
 
 
+def draft_rows(batch: int) -> tuple[int, ...]:
+  """Static row counts E of the slots verifying drafts in a pass: 0, 1 and B (each is a
+  compiled branch of every layer's attention: few, to bound compile time). E.g.
+  `draft_rows(16)` is `(0, 1, 16)`."""
+  return tuple(sorted({0, 1, batch}))
+
+
 def _attend_slotted_read(q, k, v, cache: LayerKV, *, slot, positions, write_positions,
                          width: int, layer: int | None = None):
-  """`_attend_packed_read` computed per slot: the pass's valid tokens laid out `[B, w]`
-  (each slot's in pass order), attention of each slot's queries to its own cache rows
-  and its own new tokens, then back to the packed order. Reads the cache once, as a
-  plain step does, where the per-token form gathers a slot's whole cache for each of
-  the T tokens (`[T, H, M, Dh]`).
+  """`_attend_packed_read` computed per slot, reading each slot's cache once.
 
-  Two static sizes are picked per pass from the data (`lax.switch`, one branch each):
-  w, the most valid tokens one slot holds (1, or `width`: a pass of base tokens alone
-  runs a plain step's `[B, 1]` queries whatever its bucket), and the cache length read,
+  Every slot's first token of the pass attends from a `[B, 1]` layout (a plain step's
+  attention, whatever the pass holds); the later tokens of the E slots that hold more
+  than one (drafts under verification) attend from an `[E, width - 1]` layout over
+  those slots' caches only. Two static sizes are picked per pass from the data
+  (`lax.switch`, one branch each): E, the smallest of `draft_rows(B)` holding the slots
+  with several tokens (0 for a pass of base tokens alone), and the cache length read,
   the smallest of `length_buckets(M)` above every valid token's position (entries above
-  a query's position are masked anyway). Requires at most `width` valid tokens per slot
-  (the engine's K + 1); a valid token beyond that would be dropped from the attention.
-  `cache` is a layer's `[B, H, M, Dh]`, or with `layer` the stacked `[L, B, H, M, Dh]`
-  (sliced inside the branch: only the live positions are copied for the products).
-  Padding tokens' outputs are junk."""
+  a query's position are masked anyway). So verifying one slot's drafts costs a plain
+  step's attention plus that slot's, and attention follows the live length, not M.
+  E.g. B = 16, one slot verifying 8 drafts at position 200 of M = 512: queries `[16, 1]`
+  and `[1, 8]` over 256 positions, where a `[16, 9]` layout over 512 computes 16x as
+  many scores.
+
+  Requires at most `width` valid tokens per slot (the engine's K + 1); a valid token
+  beyond that would be dropped from the attention. `cache` is a layer's `[B, H, M, Dh]`,
+  or with `layer` the stacked `[L, B, H, M, Dh]` (sliced inside the branch: only the
+  live positions are copied for the products). Padding tokens' outputs are junk.
+  """
   batch, max_len = cache.k.shape[-4], cache.k.shape[-2]
   valid = write_positions < max_len
   mine = valid[:, None] & (slot[:, None] == jnp.arange(batch)[None, :])          # [T, B]
@@ -188,31 +203,64 @@ def _attend_slotted_read(q, k, v, cache: LayerKV, *, slot, positions, write_posi
   W = lay(valid, False)                                              # [B, W]
   written = jnp.zeros((batch, max_len), bool).at[slot, write_positions].set(True, mode="drop")
   scale = jnp.sqrt(q.shape[-1]).astype(q.dtype)
-  widths = (1, width) if width > 1 else (1,)
+  multi = count[-1] >= 2 if count.shape[0] else jnp.zeros((batch,), bool)  # [B]
+  # Slots with several tokens first (in slot order), then the others as padding rows.
+  order = jnp.argsort(~multi, stable=True).astype(jnp.int32)        # [B]
+  at = jnp.zeros((batch,), jnp.int32).at[order].set(jnp.arange(batch, dtype=jnp.int32))
+  rows_e = draft_rows(batch) if width > 1 else (0,)
   lengths = length_buckets(max_len)
   live = jnp.max(jnp.where(valid, positions, 0)) + 1
-  most = jnp.max(count[-1]) if count.shape[0] else jnp.zeros((), jnp.int32)
 
-  def branch(w, m):
+  def branch(e, m):
     def run(cache_k, cache_v):
       if layer is not None:
         cache_k, cache_v = cache_k[layer], cache_v[layer]
       ck, cv = cache_k[:, :, :m], cache_v[:, :, :m]                  # [B, H, m, Dh]
-      p = P[:, :w]
-      old = (jnp.arange(m)[None, None, :] <= p[:, :, None]) & ~written[:, None, :m]
-      new = W[:, None, :w] & (p[:, None, :] <= p[:, :, None])        # [B, w, w]
-      s_old = jnp.einsum("bihd,bhmd->bhim", Q[:, :w], ck) / scale
-      s_new = jnp.einsum("bihd,bjhd->bhij", Q[:, :w], Kn[:, :w]) / scale
+      wr = written[:, :m]
+      # Part A: each slot's first token, to its cache and itself.
+      p0 = P[:, :1]
+      old = (jnp.arange(m)[None, None, :] <= p0[:, :, None]) & ~wr[:, None, :]    # [B, 1, m]
+      s_old = jnp.einsum("bihd,bhmd->bhim", Q[:, :1], ck) / scale
+      new = W[:, None, :] & (P[:, None, :] <= p0[:, :, None])        # [B, 1, W]
+      s_new = jnp.einsum("bihd,bjhd->bhij", Q[:, :1], Kn) / scale
       scores = jnp.concatenate([jnp.where(old[:, None], s_old, _MASKED),
                                 jnp.where(new[:, None], s_new, _MASKED)], axis=-1)
       weights = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(v.dtype)
-      out = (jnp.einsum("bhim,bhmd->bihd", weights[..., :m], cv)
-             + jnp.einsum("bhij,bjhd->bihd", weights[..., m:], Vn[:, :w]))  # [B, w, H, Dh]
-      return out[slot, jnp.minimum(row, w - 1)]                      # [T, H, Dh]
+      first = (jnp.einsum("bhim,bhmd->bihd", weights[..., :m], cv)
+               + jnp.einsum("bhij,bjhd->bihd", weights[..., m:], Vn))[:, 0]    # [B, H, Dh]
+      out = first[slot]                                              # [T, H, Dh]
+      if e == 0:
+        return out
+      # Part B: the later tokens of the first e slots of `order`.
+      if e == batch:
+        idx, ek, ev, ewr = jnp.arange(batch), ck, cv, wr
+        pick = lambda x: x
+      else:
+        idx = order[:e]
+        pick = lambda x: x[idx]
+        ek, ev, ewr = ck[idx], cv[idx], wr[idx]                      # [e, H, m, Dh]
+      pq, qq = pick(P)[:, 1:], pick(Q)[:, 1:]                        # [e, W-1]
+      kn, vn, wn, pn = pick(Kn), pick(Vn), pick(W), pick(P)          # [e, W]
+      old = (jnp.arange(m)[None, None, :] <= pq[:, :, None]) & ~ewr[:, None, :]
+      new = wn[:, None, :] & (pn[:, None, :] <= pq[:, :, None])      # [e, W-1, W]
+      s_old = jnp.einsum("bihd,bhmd->bhim", qq, ek) / scale
+      s_new = jnp.einsum("bihd,bjhd->bhij", qq, kn) / scale
+      scores = jnp.concatenate([jnp.where(old[:, None], s_old, _MASKED),
+                                jnp.where(new[:, None], s_new, _MASKED)], axis=-1)
+      weights = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(v.dtype)
+      later = (jnp.einsum("bhim,bhmd->bihd", weights[..., :m], ev)
+               + jnp.einsum("bhij,bjhd->bihd", weights[..., m:], vn))  # [e, W-1, H, Dh]
+      if e == batch:
+        rows_t = slot
+      else:
+        rows_t = jnp.minimum(at[slot], e - 1)
+      got = later[rows_t, jnp.clip(row - 1, 0, width - 2)]
+      return jnp.where((row >= 1)[:, None, None], got, out)
     return run
 
-  branches = [branch(w, m) for w in widths for m in lengths]
-  index = (_bucket(widths, most) * len(lengths) + _bucket(lengths, live)).astype(jnp.int32)
+  branches = [branch(e, m) for e in rows_e for m in lengths]
+  index = (_bucket(rows_e, jnp.sum(multi)) * len(lengths)
+           + _bucket(lengths, live)).astype(jnp.int32)
   if len(branches) == 1:
     return branches[0](cache.k, cache.v)
   return jax.lax.switch(index, branches, cache.k, cache.v)

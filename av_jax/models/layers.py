@@ -141,13 +141,13 @@ def _attend_packed_read(q, k, v, cache: LayerKV, *, slot, positions, write_posit
           + jnp.einsum("thu,uhd->thd", weights[..., max_len:], v))
 
 
-def length_buckets(max_len: int, *, smallest: int = 64, count: int = 3) -> tuple[int, ...]:
+def length_buckets(max_len: int, *, smallest: int = 64, count: int = 2) -> tuple[int, ...]:
   """Static cache lengths attention is bounded by: `max_len` halved, at most `count`
   sizes, none below `smallest` (each is a compiled branch of every layer's attention).
 
   A pass attends over the smallest bucket that holds every position it reads (its
   tokens' largest position + 1), so its cost follows the live length, not `max_len`.
-  E.g. `length_buckets(512)` is `(128, 256, 512)`; `length_buckets(48)` is `(48,)`.
+  E.g. `length_buckets(512)` is `(256, 512)`; `length_buckets(48)` is `(48,)`.
   """
   sizes = [max_len]
   while (len(sizes) < count and sizes[-1] // 2 >= smallest and sizes[-1] % 2 == 0):

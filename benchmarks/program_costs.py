@@ -71,17 +71,16 @@ for name, size in (("verify_T=B", B), ("verify_T=B(K+1)", B * (K + 1))):
   t0 = time.perf_counter(); c = vjit.lower(*vinputs(size)).compile(); compile_s[name] = time.perf_counter() - t0
   progs[name] = (c, vinputs(size))
 
-one = None
 if args["one"]:
   from av_jax.engine import profile as prof
   eng_av = mk("av-gate")
   st_av = core.init_state(eng_av, params, jax.random.PRNGKey(0))
 
 def time_plain():
-  best = []
+  times = []
   for _ in range(args["repeats"]):
-    s = fresh(); t0 = time.perf_counter(); jax.block_until_ready(run_c(params, s)); best.append((time.perf_counter() - t0) * 1e3 / S)
-  return float(np.median(best))
+    s = fresh(); t0 = time.perf_counter(); jax.block_until_ready(run_c(params, s)); times.append((time.perf_counter() - t0) * 1e3 / S)
+  return float(np.median(times))
 
 def time_prog(c, a):
   ts = []
@@ -134,7 +133,8 @@ def main(argv=None) -> None:
   p.add_argument("--steps", type=int, default=4, help="steps per timed chunk")
   p.add_argument("--repeats", type=int, default=5, help="timed runs per entry and round")
   p.add_argument("--rounds", type=int, default=3, help="interleaved rounds")
-  p.add_argument("--one", action="store_true", help="also the whole step, one slot drafting")
+  p.add_argument("--one", action="store_true",
+                 help="also the whole step, one slot drafting (needs the av-gate arm)")
   p.add_argument("--trace", action="store_true", help="print each program's top ops instead")
   p.add_argument("--top", type=int, default=15, help="ops listed with --trace")
   p.add_argument("--python", default=sys.executable, help="interpreter of the workers")

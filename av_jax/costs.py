@@ -28,8 +28,8 @@ up to 2x at the knee). A fixed launch overhead per program and per layer is adde
 
 The measured `cpu` spec adds two terms that XLA:CPU programs pay and accelerators do not
 (both measured by start-up microbenchmarks, `measure_cpu`): a transposing gather runs at
-its own elements/s (av_jax's packed attention gathers each token's slot cache into a
-transposed layout), and a program whose temporaries reach glibc's 32 MiB mmap threshold
+its own elements/s (the `per_token` attention, which gathers each token's slot cache into
+a transposed layout), and a program whose temporaries reach glibc's 32 MiB mmap threshold
 page-faults them in on every run. `docs/costs.md` has the validation against the engine's
 profile.
 
@@ -588,7 +588,8 @@ class Implementation:
   # slot's cache (av_jax's packed verify, `layers.Attention` mode "packed").
   kv_reads: str
   kv_passes: float           # memory passes over the KV bytes a token or request reads
-  copies_cache: bool         # the verify program writes a copy of the whole target cache
+  copies_cache: bool         # the program copies every slot's cache positions it reads
+                             # (XLA:CPU materialises the slice a product reads), per layer
   sampling_passes: float     # passes over the [T, V] float32 logits (softmax, top-p, ...)
   drafts_all_slots: bool     # the drafter runs for all B slots whatever R is
   first_depth_tokens: int | None = None  # tokens per request an autoregressive drafter's
@@ -619,12 +620,14 @@ IMPLEMENTATIONS: dict[str, Implementation] = {
                "once, logits written once and read once by a fused sampler, drafting only "
                "active requests."),
     "av_jax": Implementation(
-        name="av_jax", kv_reads="per_token", kv_passes=2.0, copies_cache=True,
+        name="av_jax", kv_reads="per_request", kv_passes=1.0, copies_cache=True,
         sampling_passes=_SOFTMAX_PASSES + _TOP_P_BISECTION_PASSES, drafts_all_slots=True,
-        source="av_jax's XLA programs as `av-jax profile` times them: each packed token "
-               "gathers its slot's whole cache (written, then read by the attention "
-               "einsums), the non-donated cache is copied by the scatter of the new keys "
-               "and values, top-p sampling by bisection, the drafter runs all B slots."),
+        source="av_jax's XLA programs as `av-jax profile` times them: attention reads each "
+               "slot's heads-major cache once per pass, over the live-length bucket "
+               "(`models.layers.length_buckets`), after copying those positions of every "
+               "slot per layer (XLA:CPU materialises the slice its products read); the new "
+               "keys and values are scattered into the donated cache in place; top-p "
+               "sampling by bisection; the drafter runs all B slots."),
 }
 
 
@@ -670,7 +673,8 @@ def forward_kernels(shape: ModelShape, *, tokens: int, requests: int, context_le
     tokens: T, tokens through the dense layers.
     requests: R, requests those tokens belong to (whose KV caches are read).
     context_len: KV positions each query attends to (a kernel that skips empty pages
-      reads the live context; av_jax's programs read the whole cache, `max_len`).
+      reads the live context; av_jax's programs read the live-length bucket,
+      `models.layers.length_buckets`).
     logits_rows: rows through the output head (default T).
     query_block: for a drafter without context attention, the block its tokens attend
       within (bidirectional); None otherwise.
@@ -693,7 +697,7 @@ def forward_kernels(shape: ModelShape, *, tokens: int, requests: int, context_le
     position = shape.kv_bytes_per_position
     cache_read = requests * context_len * position
     new_kv = tokens * position
-    # The non-donated cache is copied (per layer, before the scatter of the new keys).
+    # The positions read of every slot's cache, copied per layer (`copies_cache`).
     cache_copy = cache_slots * context_len * position if implementation.copies_cache else 0.0
     if implementation.kv_reads == "per_request":
       attention = Kernel(flops=attn_flops,
@@ -831,7 +835,8 @@ def roofline_costs(target: str | ModelShape, drafter: str | ModelShape | None,
     num_slots: B, concurrent requests (rows of the draft table: R = 0..B).
     max_draft: K, draft positions per request.
     context_len: KV positions read per request (the live context; av_jax's programs read
-      the whole cache, so pass `max_len` for `implementation="av_jax"`).
+      the smallest of `models.layers.length_buckets(max_len)` that holds it: pass that
+      for `implementation="av_jax"`).
     buckets: verify bucket sizes T; None: every T = 1 .. B (K + 1) is its own bucket.
     implementation: "fused" (a serving stack's kernels) or "av_jax" (this repository's
       XLA programs), or an `Implementation`.

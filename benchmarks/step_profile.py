@@ -2,8 +2,8 @@
 step.
 
 Runs, in one process, chunks of decode steps of a target-only engine and of an AV engine
-whose plan drafts for no slot (every slot busy, drafting priced out: `av_lab.gate_cost`'s
-busy state), under `jax.profiler`, and reads the trace's per-thunk events (XLA:CPU records one
+whose plan drafts for no slot (every slot busy, drafting priced out: `_busy_state`),
+under `jax.profiler`, and reads the trace's per-thunk events (XLA:CPU records one
 per executed HLO instruction). Each executed instruction is keyed by its source path
 (the HLO `op_name` metadata with the loop and branch frames removed) and its output shape,
 so the same work in the two programs has the same key. Prints per step: wall time, thunks
@@ -14,7 +14,8 @@ more time than target-only (work only AV does, or does bigger).
     .venv/bin/python benchmarks/step_profile.py --config tiny --concurrency 2 --json out.json
 
 Figures are this machine's, under the profiler (it adds a few microseconds per thunk):
-read the ratios and the keys, not the absolute times.
+read the ratios and the keys, not the absolute times. `benchmarks/program_costs.py --trace`
+lists each target program's costliest instructions the same way.
 """
 
 from __future__ import annotations
@@ -31,10 +32,11 @@ import tempfile
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from av_jax import models as M
-from av_jax.engine import core
-from av_lab import gate_cost
+from av_jax.engine import batching, core
+from av_jax.selection import make_cost_model
 
 _INSTR = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (\S+) (\w[\w-]*)\(")
 _OP_NAME = re.compile(r'op_name="([^"]+)"')
@@ -92,6 +94,26 @@ def summarize(events: list[dict], instrs: dict, *, steps: int) -> dict:
               thunk_ms=busy / 1e3 / total_steps, keys=dict(keys), executions=len(runs))
 
 
+def _params(models, kind: str) -> core.Params:
+  return core.Params(target=M.init_params(models.target, jax.random.PRNGKey(0)),
+                     drafter=M.init_drafter_params(kind, models, jax.random.PRNGKey(1)))
+
+
+def _busy_state(engine: core.Engine, params: core.Params, *, prompt_len: int, key: jax.Array):
+  """A state with every slot decoding (prefilled with a fixed prompt) and drafting priced
+  dearer than any gain, so AV's plan drafts for no slot."""
+  cfg = engine.config
+  B, K = cfg.num_slots, cfg.max_draft
+  cost = make_cost_model(np.full(B + 1, 1e6), 1.0 + 0.01 * np.arange(B * (K + 1) + 1))
+  prefill, _, init = batching.compiled(engine)
+  state = init(params, key, cost)
+  prompt = (jnp.arange(prompt_len, dtype=jnp.int32) % (K + 2)) + 1
+  for slot in range(B):
+    state = prefill(params, state, prompt, jnp.int32(prompt_len), jnp.int32(slot),
+                    jnp.int32(cfg.max_len))
+  return state
+
+
 def profile(models, *, drafter: str, concurrency: int, max_draft: int = 8, max_len: int = 80,
             prompt_len: int = 32, steps: int = 8, chunks: int = 3, rounds: int = 3) -> dict:
   """Traces `rounds` x `chunks` chunks of `steps` quiet steps of each arm
@@ -101,7 +123,7 @@ def profile(models, *, drafter: str, concurrency: int, max_draft: int = 8, max_l
   if max_len < prompt_len + steps + max_draft + 4:
     raise ValueError(f"max_len: expected >= prompt_len + steps + max_draft + 4 = "
                      f"{prompt_len + steps + max_draft + 4}, got {max_len}")
-  params = gate_cost._params(models, drafter)
+  params = _params(models, drafter)
   kind = M.make_drafter(drafter, models)
   arms = {}
   for mode in ("target_only", "av"):
@@ -110,8 +132,7 @@ def profile(models, *, drafter: str, concurrency: int, max_draft: int = 8, max_l
                                top_p=0.95)
     engine = core.make_engine(config, models, kind)
     # The engine's default (threefry) key, as runs use.
-    state = gate_cost._busy_state(engine, params, prompt_len=prompt_len,
-                                  key=jax.random.PRNGKey(0))
+    state = _busy_state(engine, params, prompt_len=prompt_len, key=jax.random.PRNGKey(0))
     state, _ = jax.jit(lambda p, s: core.step(engine, p, s))(params, state)  # a first step
     run = jax.jit(lambda p, s: core.run_chunk(engine, p, s, steps), donate_argnums=1)
     instrs = instructions(run.lower(params, state).compile().as_text())

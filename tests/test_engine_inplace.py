@@ -27,7 +27,7 @@ from tests._engine_fixtures import key, pair, tiny_config
 
 def _random_cache(cfg, batch, max_len, seed):
   r = np.random.default_rng(seed)
-  shape = (cfg.num_layers, batch, max_len, cfg.num_heads, cfg.head_dim)
+  shape = (cfg.num_layers, batch, cfg.num_heads, max_len, cfg.head_dim)
   return T.KVCache(*(jnp.asarray(r.normal(size=shape), jnp.float32) for _ in range(2)))
 
 
@@ -97,14 +97,14 @@ def test_the_read_pass_ignores_stale_entries_at_the_positions_it_writes():
   cache = _random_cache(cfg, 2, 16, 0)
   slot, pos = jnp.array([1, 1, 1]), jnp.array([5, 6, 7])
   valid, tokens = jnp.ones(3, bool), jnp.array([3, 4, 5])
-  poisoned = T.KVCache(cache.k.at[:, 1, 6:8].set(1e3), cache.v.at[:, 1, 6:8].set(1e3))
+  poisoned = T.KVCache(cache.k.at[:, 1, :, 6:8].set(1e3), cache.v.at[:, 1, :, 6:8].set(1e3))
   a, _ = T.forward_packed_read(params, tokens, slot=slot, positions=pos, valid=valid,
                                cache=cache, cfg=cfg)
   b, _ = T.forward_packed_read(params, tokens, slot=slot, positions=pos, valid=valid,
                                cache=poisoned, cfg=cfg)
   np.testing.assert_allclose(np.asarray(a.logits), np.asarray(b.logits), rtol=1e-6, atol=1e-6)
   # ... while junk below the run (position 4, a real cached entry) does change it.
-  changed = T.KVCache(cache.k.at[:, 1, 4].set(1e3), cache.v.at[:, 1, 4].set(1e3))
+  changed = T.KVCache(cache.k.at[:, 1, :, 4].set(1e3), cache.v.at[:, 1, :, 4].set(1e3))
   c, _ = T.forward_packed_read(params, tokens, slot=slot, positions=pos, valid=valid,
                                cache=changed, cfg=cfg)
   assert np.abs(np.asarray(a.logits) - np.asarray(c.logits)).max() > 1e-3

@@ -61,7 +61,7 @@ class TargetTest(parameterized.TestCase):
     out = fwd(TARGET, _tokens((b, s)), pos, transformer.init_cache(TCFG, b, m))
     chex.assert_shape(out.logits, (b, s, V))
     chex.assert_shape(out.hidden, (b, s, TCFG.d_model))
-    chex.assert_shape(out.cache.k, (TCFG.num_layers, b, m, TCFG.num_heads, TCFG.head_dim))
+    chex.assert_shape(out.cache.k, (TCFG.num_layers, b, TCFG.num_heads, m, TCFG.head_dim))
     chex.assert_tree_all_finite(out)
     packed = self.variant(lambda p, x, sl, pos, va, c: transformer.forward_packed(
         p, x, slot=sl, positions=pos, valid=va, cache=c, cfg=TCFG))
@@ -128,7 +128,7 @@ class TargetTest(parameterized.TestCase):
       i, p = entries[k]
       chex.assert_trees_all_close(out.logits[k], dense_logits[i, p], atol=1e-4)
     # Padding wrote nothing: slot 0 position 0 still holds the prefix's K.
-    chex.assert_trees_all_close(out.cache.k[:, 0, 0], cache.k[:, 0, 0])
+    chex.assert_trees_all_close(out.cache.k[:, 0, :, 0], cache.k[:, 0, :, 0])
 
 
 # ---------------------------------------------------------------------------- drafters
@@ -257,8 +257,8 @@ def test_eagle_head_pick_runs_on_past_the_cache_for_the_picked_columns_only():
   head = drafters._eagle_module(CFG, "dense")  # pylint: disable=protected-access
   B, P, D, M = 3, 5, CFG.target.d_model, 16
   e = CFG.eagle
-  cache = LayerKV(jax.random.normal(jax.random.PRNGKey(6), (B, M, e.num_heads, e.head_dim)),
-                  jax.random.normal(jax.random.PRNGKey(7), (B, M, e.num_heads, e.head_dim)))
+  cache = LayerKV(jax.random.normal(jax.random.PRNGKey(6), (B, e.num_heads, M, e.head_dim)),
+                  jax.random.normal(jax.random.PRNGKey(7), (B, e.num_heads, M, e.head_dim)))
   feats = jax.random.normal(jax.random.PRNGKey(4), (B, P, D))
   tokens = jax.random.randint(jax.random.PRNGKey(5), (B, P), 0, CFG.target.vocab_size)
   positions = jnp.asarray([[3, 4, 5, 6, 7], [0, 1, 2, 3, 4], [8, 9, 10, 11, 12]])

@@ -43,8 +43,8 @@ def test_packed_verify_is_the_same_for_every_grouping():
   valid = active[:, None] & (j <= num_verified[:, None])
   positions = jnp.asarray([5, 3, 8, 2])[:, None] - 1 + j
   tokens = jax.random.randint(jax.random.key(0), (B, K + 1), 0, fx.VOCAB)
-  k = jax.random.normal(jax.random.key(1), (cfg.target.num_layers, B, M,
-                                            cfg.target.num_heads, cfg.target.head_dim))
+  k = jax.random.normal(jax.random.key(1), (cfg.target.num_layers, B, cfg.target.num_heads,
+                                            M, cfg.target.head_dim))
   cache = transformer.KVCache(k, -k)
   engines = {groups: E.make_engine(E.EngineConfig(
       num_slots=B, max_draft=K, max_len=M, mode="av", temperature=1.0, top_p=0.9,

@@ -38,7 +38,7 @@ from av_jax.models.config import ModelsConfig
 from av_jax.models import transformer
 from av_jax.models.drafters import (CacheWindow, Drafter, DrafterState, can_skip, catch_up,
                                     insert_slot, keep_inactive, narrow, put_slots, read_window,
-                                    settle, take_slots, widen, window_start,
+                                    settle, take_slots, widen, window_shape, window_start,
                                     write_window)
 from av_jax.models.sampling import sample_tokens, sampling_probs
 from av_jax.planner import PlannerConfig, PlannerState
@@ -238,7 +238,7 @@ class EngineStats(NamedTuple):
 class DecodeState(NamedTuple):
   """Everything that changes between decode steps (a pytree)."""
   target_cache: Any                  # target cache pytree (`Target.init_cache`; av_jax's:
-                                     # KVCache [L, B, M, H, Dh])
+                                     # KVCache [L, B, H, M, Dh])
   drafter: DrafterState              # drafter caches and pending tokens
   tokens: jax.Array                  # [B, M] int32 sequence buffer (prompt + output)
   length: jax.Array                  # [B] int32 tokens in the buffer
@@ -482,8 +482,8 @@ def prefill(engine: Engine, params: Params, state: DecodeState, *, prompt: jax.A
 
 
 def group_cache(engine: Engine, cache: Any) -> Any:
-  """B -> (G, B/G) at the target cache's slot axis (av_jax's: `[L, B, M, H, Dh]` ->
-  `[L, G, B/G, M, H, Dh]`): contiguous slot groups, a free reshape; with slots sharded in
+  """B -> (G, B/G) at the target cache's slot axis (av_jax's: `[L, B, H, M, Dh]` ->
+  `[L, G, B/G, H, M, Dh]`): contiguous slot groups, a free reshape; with slots sharded in
   blocks over 'data', the group axis takes the slot sharding."""
   return protocols.group_cache(engine.target, cache, engine.config.groups)
 
@@ -500,7 +500,7 @@ def verify_forward(engine: Engine, target_params, cache: Any, *,
     engine: the engine (temperature, top-p, target).
     target_params: target parameters.
     cache: target cache grouped at its slot axis (`group_cache`; av_jax's:
-      `[L, G, B/G, M, H, Dh]`).
+      `[L, G, B/G, H, M, Dh]`).
     tokens: `[G, T_g]` int32 packed tokens of each group.
     slot: `[G, T_g]` int32 slot of each token within its group (0 .. B/G - 1).
     positions: `[G, T_g]` int32 position of each token.
@@ -1166,7 +1166,7 @@ def _gated_step(engine: Engine, params: Params, state: DecodeState, *, key: jax.
     if not windowed:
       return None
     c = state.drafter.cache
-    z = jnp.zeros((c.k.shape[0], rows, width + 1) + c.k.shape[3:], c.k.dtype)
+    z = jnp.zeros(window_shape(c, rows=rows, width=width + 1), c.k.dtype)
     return CacheWindow(z, z, jnp.zeros((rows,), jnp.int32),
                        jnp.full((rows,), cfg.max_len, jnp.int32))
 

@@ -125,7 +125,7 @@ def transformer_target(models: ModelsConfig) -> Target:
   """av_jax's transformer (`models.target`) as a `Target`.
 
   Cached: equal configs give the same object, so engines built from equal model sets
-  compile once. The cache is a `KVCache` `[L, B, M, H, Dh]` (slots on axis 1); `hidden`
+  compile once. The cache is a `KVCache` `[L, B, H, M, Dh]` (slots on axis 1); `hidden`
   is the final hidden state after the final norm, which the EAGLE and block drafters read.
   """
   cfg = models.target

@@ -3,7 +3,7 @@
 Layout (the successor of pjit: `jax.jit` with `in_shardings` / `out_shardings`):
 
 * slots (B) over 'data': the sequence buffer, per-slot lengths and flags, every KV cache
-  (`[L, B, M, H, Dh]` -> `P(None, 'data', None, 'model', None)`), the drafter's pending
+  (`[L, B, H, M, Dh]` -> `P(None, 'data', 'model', None, None)`), the drafter's pending
   block;
 * attention heads and MLP width over 'model': q/k/v kernels `[D, H, Dh]` split on H, the
   output kernel `[H, Dh, D]` on H, gate/up `[D, F]` on F, down `[F, D]` on F;
@@ -87,7 +87,7 @@ def param_shardings(mesh: Mesh, params: Any) -> Any:
 def _cache_sharding(mesh, cache):
   if cache is None:
     return None
-  spec = NamedSharding(mesh, P(None, DATA, None, MODEL, None))
+  spec = NamedSharding(mesh, P(None, DATA, MODEL, None, None))  # [L, B, H, M, Dh]
   return transformer.KVCache(spec, spec)
 
 

@@ -108,7 +108,7 @@ DRAFTING = {"draft_lm": "autoregressive", "eagle": "autoregressive", "block": "p
 
 class DrafterState(NamedTuple):
   """Per-slot drafter state (a pytree)."""
-  cache: transformer.KVCache | None  # [L, B, M, H, Dh] own KV cache; None for parallel kinds
+  cache: transformer.KVCache | None  # [L, B, H, M, Dh] own KV cache; None for parallel kinds
   tokens: jax.Array       # [B, K+1] int32 pending committed tokens (entries >= num_pending junk)
   hidden: jax.Array       # [B, K+1, D] target hidden state that predicted each pending token
   num_pending: jax.Array  # [B] int32 >= 1, valid entries of tokens / hidden
@@ -124,7 +124,7 @@ def _set_row(batched: jax.Array, single: jax.Array, slot: jax.Array, axis: int) 
 def insert_slot(batched: DrafterState, single: DrafterState, slot: jax.Array) -> DrafterState:
   """`batched` with slot `slot` replaced by the one-slot state `single` (prefill).
 
-  Caches have the slot on axis 1 (`[L, B, M, H, Dh]`), every other field on axis 0.
+  Caches have the slot on axis 1 (`[L, B, H, M, Dh]`), every other field on axis 0.
   """
   fields = {}
   for name in DrafterState._fields:
@@ -204,7 +204,8 @@ def settle(drafter: Drafter, params, target_params, state: DrafterState, *,
   if state.tokens.shape[1] == width:
     if window:
       return state, read_window(state.cache, slot=jnp.arange(state.tokens.shape[0]),
-                                start=jnp.full(state.position.shape, state.cache.k.shape[2]),
+                                start=jnp.full(state.position.shape,
+                                                 transformer.cache_len(state.cache)),
                                 width=width + 1)
     return state
   if drafter.absorb is None:
@@ -227,12 +228,12 @@ def settle(drafter: Drafter, params, target_params, state: DrafterState, *,
   if isinstance(state.cache, transformer.KVCache):
     # The branches return the written entries (`read_window`), written after the switch:
     # a cache returned by a branch is copied whole (XLA's copy insertion).
-    E, P, M = state.tokens.shape[0], state.tokens.shape[1], state.cache.k.shape[2]
+    E, P, M = state.tokens.shape[0], state.tokens.shape[1], transformer.cache_len(state.cache)
     slot = jnp.arange(E, dtype=jnp.int32)
     start = jnp.where(over, window_start(state.position), M)
     entries = lambda w: lambda: read_window(absorb(w)(), slot=slot, start=start,
                                             width=P + 1)
-    shape = state.cache.k.shape[:2] + (P + 1,) + state.cache.k.shape[3:]
+    shape = window_shape(state.cache, rows=E, width=P + 1)
     nothing = lambda: CacheWindow(jnp.zeros(shape, state.cache.k.dtype),
                                   jnp.zeros(shape, state.cache.v.dtype), slot,
                                   jnp.full((E,), M, jnp.int32))
@@ -256,10 +257,16 @@ class CacheWindow(NamedTuple):
   branch of the engine's gated step returns instead of the cache (`read_window`), written
   after the branch (`write_window`), so the cache is never a conditional's output (XLA
   copied such a cache whole on every step, also on steps that did not draft)."""
-  k: jax.Array      # [L, E, W, H, Dh]
+  k: jax.Array      # [L, E, W, H, Dh] (entry-major, whatever the cache's layout)
   v: jax.Array      # [L, E, W, H, Dh]
   slot: jax.Array   # [E] int32, the slot each row writes
   start: jax.Array  # [E] int32, the position of entry 0; >= M: the row writes nothing
+
+
+def window_shape(cache: transformer.KVCache, *, rows: int, width: int) -> tuple[int, ...]:
+  """`[L, E, W, H, Dh]`: the shape of a `CacheWindow` of `rows` rows and `width` entries."""
+  L, _, H, _, Dh = cache.k.shape
+  return (L, rows, width, H, Dh)
 
 
 def window_start(position: jax.Array) -> jax.Array:
@@ -274,22 +281,22 @@ def read_window(cache: transformer.KVCache, *, slot: jax.Array, start: jax.Array
                 width: int) -> CacheWindow:
   """The entries of `cache` rows `[E]` (its own row order) at positions `start + j`,
   `j < width`, to be written to slots `slot [E]` (rows with `start >= M` write none)."""
-  M = cache.k.shape[2]
+  M = transformer.cache_len(cache)
   rows = jnp.arange(start.shape[0])[:, None]
   pos = jnp.clip(start[:, None] + jnp.arange(width)[None], 0, M - 1)
-  return CacheWindow(cache.k[:, rows, pos], cache.v[:, rows, pos],
+  return CacheWindow(transformer.take_entries(cache.k, rows, pos),
+                     transformer.take_entries(cache.v, rows, pos),
                      jnp.asarray(slot, jnp.int32), jnp.asarray(start, jnp.int32))
 
 
 def write_window(cache: transformer.KVCache, window: CacheWindow) -> transformer.KVCache:
   """`cache` with `window`'s entries written (positions >= M dropped)."""
-  M, W = cache.k.shape[2], window.k.shape[2]
+  M, W = transformer.cache_len(cache), window.k.shape[2]
   pos = window.start[:, None] + jnp.arange(W)[None]
   pos = jnp.where(pos < M, pos, M)
   slot = window.slot[:, None]
-  return transformer.KVCache(
-      cache.k.at[:, slot, pos].set(window.k.astype(cache.k.dtype), mode="drop"),
-      cache.v.at[:, slot, pos].set(window.v.astype(cache.v.dtype), mode="drop"))
+  return transformer.KVCache(transformer.put_entries(cache.k, window.k, slot, pos),
+                             transformer.put_entries(cache.v, window.v, slot, pos))
 
 
 def _slot_axis(field) -> int:
@@ -763,7 +770,7 @@ def _make_eagle(cfg: ModelsConfig) -> Drafter:
     emb = transformer.embedding(target_params)
     positions, valid = _pending_inputs(state)
     positions = positions - 1  # head position = sequence position - 1 (see init_state)
-    max_len = state.cache.k.shape[2]
+    max_len = transformer.cache_len(state.cache)
     # Every pending column writes the head's cache; only the newest predicts depth 1, so
     # only it runs on past its keys and values (`EagleHead` pick).
     idx = state.num_pending - 1
@@ -793,7 +800,7 @@ def _make_eagle(cfg: ModelsConfig) -> Drafter:
     positions = positions - 1  # head position = sequence position - 1 (see init_state)
     _, _, cache = run(params, transformer.embedding(target_params), state.hidden,
                       state.tokens, positions, state.cache,
-                      jnp.where(valid, positions, state.cache.k.shape[2]))
+                      jnp.where(valid, positions, transformer.cache_len(state.cache)))
     return state._replace(cache=cache)
 
   return Drafter("eagle", DRAFTING["eagle"], init_state, draft, commit, stepwise=True,

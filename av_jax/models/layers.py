@@ -4,9 +4,9 @@ Attention runs in one of four modes, chosen statically:
 
 * `causal`: no cache; `x [B,S,D]`, token s attends to tokens of the same row with
   position <= its own (training and the uncached reference).
-* `dense`: KV cache `[B,M,H,Dh]`; `x [B,S,D]` writes its K/V at `[b, position]` and then
+* `dense`: KV cache `[B,H,M,Dh]`; `x [B,S,D]` writes its K/V at `[b, position]` and then
   attends to cache entries of row b with position <= its own.
-* `packed`: KV cache `[B,M,H,Dh]`; `x [T,D]` with `slot [T]`: token t writes its K/V at
+* `packed`: KV cache `[B,H,M,Dh]`; `x [T,D]` with `slot [T]`: token t writes its K/V at
   `[slot_t, position_t]` and attends to its slot's entries with position <= its own. Since
   all writes happen before the attention reads, earlier packed tokens of the same slot are
   seen exactly like cached ones.
@@ -18,8 +18,10 @@ Attention runs in one of four modes, chosen statically:
   (`transformer.write_packed`). A cache updated inside a branch of a `lax.cond` /
   `lax.switch` in a decode loop is copied whole by XLA on every step; read here and
   written after the branch, it is updated in place. With `slot_width` W (at most W
-  valid tokens per slot) the same attention runs per slot on a `[B, W]` layout, reading
-  the cache once instead of gathering a slot's cache for every token.
+  valid tokens per slot) the same attention runs per slot, reading each slot's cache
+  once instead of gathering it for every token: every slot's first token from a `[B, 1]`
+  layout, the later tokens of the slots holding several from an `[E, W - 1]` one, over
+  the live positions only (`_attend_slotted_read`).
 * `bidirectional`: no cache, no mask (the block drafter's K query slots).
 
 Writes at position >= M are dropped: callers mark invalid (padding) tokens by writing at
@@ -40,9 +42,9 @@ _MASKED = -1e30  # finite, so a row with every entry masked gives a uniform, not
 
 
 class LayerKV(NamedTuple):
-  """KV cache of one attention layer."""
-  k: jax.Array  # [B, M, H, Dh] keys (RoPE applied)
-  v: jax.Array  # [B, M, H, Dh] values
+  """KV cache of one attention layer, heads-major (see `transformer.KVCache`)."""
+  k: jax.Array  # [B, H, M, Dh] keys (RoPE applied)
+  v: jax.Array  # [B, H, M, Dh] values
 
 
 def rope(x: jax.Array, positions: jax.Array, *, theta: float) -> jax.Array:
@@ -94,6 +96,21 @@ def _attend(q, k, v, mask):
   return jnp.einsum("...hqk,...khd->...qhd", weights, v)
 
 
+def _attend_cache(q, k, v, mask):
+  """`_attend` of queries `q [B, S, H, Dh]` to a heads-major cache `k, v [B, H, M, Dh]`
+  under `mask [B, S, M]`: batched over (slot, head) with no transpose of the cache."""
+  scores = jnp.einsum("bqhd,bhkd->bhqk", q, k) / jnp.sqrt(q.shape[-1]).astype(q.dtype)
+  scores = jnp.where(mask[:, None], scores, _MASKED)
+  weights = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(v.dtype)
+  return jnp.einsum("bhqk,bhkd->bqhd", weights, v)
+
+
+def _entries(cache_leaf, rows, positions, values):
+  """`cache_leaf [B, H, M, Dh]` with `values [*S, H, Dh]` at `(rows, positions)` (index
+  arrays broadcasting to S); positions >= M dropped."""
+  return cache_leaf.at[rows, :, positions].set(values.astype(cache_leaf.dtype), mode="drop")
+
+
 def pick_columns(x: jax.Array, pick: jax.Array) -> jax.Array:
   """`x[b, pick[b]]` kept as a column: `[B, S, ...]` -> `[B, 1, ...]`."""
   return jnp.take_along_axis(x, pick.reshape(pick.shape + (1,) * (x.ndim - 1)), 1)
@@ -106,7 +123,7 @@ def _attend_packed_read(q, k, v, cache: LayerKV, *, slot, positions, write_posit
   padding. Keys: the slot's cached entries (minus the positions this pass writes) and
   this pass's valid tokens of the same slot; one softmax over both.
   """
-  batch, max_len = cache.k.shape[0], cache.k.shape[1]
+  batch, max_len = cache.k.shape[0], cache.k.shape[2]
   valid = write_positions < max_len
   written = jnp.zeros((batch, max_len), bool).at[slot, write_positions].set(True, mode="drop")
   m = jnp.arange(max_len)[None, :]
@@ -114,30 +131,70 @@ def _attend_packed_read(q, k, v, cache: LayerKV, *, slot, positions, write_posit
   new = (valid[None, :] & (slot[None, :] == slot[:, None])
          & (positions[None, :] <= positions[:, None]))                          # [T, T]
   scale = jnp.sqrt(q.shape[-1]).astype(q.dtype)
-  keys, values = cache.k[slot], cache.v[slot]                                    # [T, M, H, Dh]
-  s_old = jnp.einsum("thd,tmhd->thm", q, keys) / scale
+  keys, values = cache.k[slot], cache.v[slot]                                    # [T, H, M, Dh]
+  s_old = jnp.einsum("thd,thmd->thm", q, keys) / scale
   s_new = jnp.einsum("thd,uhd->thu", q, k) / scale
   scores = jnp.concatenate([jnp.where(old[:, None, :], s_old, _MASKED),
                             jnp.where(new[:, None, :], s_new, _MASKED)], axis=-1)
   weights = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(v.dtype)
-  return (jnp.einsum("thm,tmhd->thd", weights[..., :max_len], values)
+  return (jnp.einsum("thm,thmd->thd", weights[..., :max_len], values)
           + jnp.einsum("thu,uhd->thd", weights[..., max_len:], v))
 
 
+def length_buckets(max_len: int, *, smallest: int = 64, count: int = 2) -> tuple[int, ...]:
+  """Static cache lengths attention is bounded by: `max_len` halved, at most `count`
+  sizes, none below `smallest` (each is a compiled branch of every layer's attention).
+
+  A pass attends over the smallest bucket that holds every position it reads (its
+  tokens' largest position + 1), so its cost follows the live length, not `max_len`.
+  E.g. `length_buckets(512)` is `(256, 512)`; `length_buckets(48)` is `(48,)`.
+  """
+  sizes = [max_len]
+  while (len(sizes) < count and sizes[-1] // 2 >= smallest and sizes[-1] % 2 == 0):
+    sizes.append(sizes[-1] // 2)
+  return tuple(sorted(sizes))
+
+
+def _bucket(sizes: tuple[int, ...], need: jax.Array) -> jax.Array:
+  """Index of the smallest of `sizes` (ascending) >= `need`, the last if none is."""
+  return jnp.minimum(jnp.searchsorted(jnp.asarray(sizes), need, side="left"),
+                     len(sizes) - 1).astype(jnp.int32)
+
+
+def draft_rows(batch: int) -> tuple[int, ...]:
+  """Static row counts E of the slots verifying drafts in a pass: 0, 1 and B (each is a
+  compiled branch of every layer's attention: few, to bound compile time). E.g.
+  `draft_rows(16)` is `(0, 1, 16)`."""
+  return tuple(sorted({0, 1, batch}))
+
+
 def _attend_slotted_read(q, k, v, cache: LayerKV, *, slot, positions, write_positions,
-                         width: int):
-  """`_attend_packed_read` computed per slot: the pass's valid tokens laid out `[B, width]`
-  (each slot's in pass order), attention of each slot's queries to its own cache rows
-  and its own new tokens, then back to the packed order. Reads the cache once, as a
-  plain step does, where the per-token form gathers a slot's whole cache for each of
-  the T tokens (`[T, M, H, Dh]`: most of a full bucket's cost on a CPU). Requires at most
-  `width` valid tokens per slot (the engine's K + 1); a valid token beyond that would be
-  dropped from the attention, so `width` must bound every slot's count. Padding tokens'
-  outputs are junk."""
-  batch, max_len = cache.k.shape[0], cache.k.shape[1]
+                         width: int, layer: int | None = None):
+  """`_attend_packed_read` computed per slot, reading each slot's cache once.
+
+  Every slot's first token of the pass attends from a `[B, 1]` layout (a plain step's
+  attention, whatever the pass holds); the later tokens of the E slots that hold more
+  than one (drafts under verification) attend from an `[E, width - 1]` layout over
+  those slots' caches only. Two static sizes are picked per pass from the data
+  (`lax.switch`, one branch each): E, the smallest of `draft_rows(B)` holding the slots
+  with several tokens (0 for a pass of base tokens alone), and the cache length read,
+  the smallest of `length_buckets(M)` above every valid token's position (entries above
+  a query's position are masked anyway). So verifying one slot's drafts costs a plain
+  step's attention plus that slot's, and attention follows the live length, not M.
+  E.g. B = 16, one slot verifying 8 drafts at position 200 of M = 512: queries `[16, 1]`
+  and `[1, 8]` over 256 positions, where a `[16, 9]` layout over 512 computes 16x as
+  many scores.
+
+  Requires at most `width` valid tokens per slot (the engine's K + 1); a valid token
+  beyond that would be dropped from the attention. `cache` is a layer's `[B, H, M, Dh]`,
+  or with `layer` the stacked `[L, B, H, M, Dh]` (sliced inside the branch: only the
+  live positions are copied for the products). Padding tokens' outputs are junk.
+  """
+  batch, max_len = cache.k.shape[-4], cache.k.shape[-2]
   valid = write_positions < max_len
   mine = valid[:, None] & (slot[:, None] == jnp.arange(batch)[None, :])          # [T, B]
-  rank = jnp.take_along_axis(jnp.cumsum(mine, axis=0), slot[:, None], 1)[:, 0] - 1
+  count = jnp.cumsum(mine, axis=0)
+  rank = jnp.take_along_axis(count, slot[:, None], 1)[:, 0] - 1
   row = jnp.where(valid, rank, width)                                # padding -> dropped
   lay = lambda x, fill: jnp.full((batch, width) + x.shape[1:], fill, x.dtype).at[
       slot, row].set(x, mode="drop")
@@ -145,18 +202,68 @@ def _attend_slotted_read(q, k, v, cache: LayerKV, *, slot, positions, write_posi
   P = lay(positions, -1)                                             # [B, W]
   W = lay(valid, False)                                              # [B, W]
   written = jnp.zeros((batch, max_len), bool).at[slot, write_positions].set(True, mode="drop")
-  m = jnp.arange(max_len)[None, None, :]
-  old = (m <= P[:, :, None]) & ~written[:, None, :]                  # [B, W, M]
-  new = W[:, None, :] & (P[:, None, :] <= P[:, :, None])             # [B, W, W]
   scale = jnp.sqrt(q.shape[-1]).astype(q.dtype)
-  s_old = jnp.einsum("bihd,bmhd->bhim", Q, cache.k) / scale
-  s_new = jnp.einsum("bihd,bjhd->bhij", Q, Kn) / scale
-  scores = jnp.concatenate([jnp.where(old[:, None], s_old, _MASKED),
-                            jnp.where(new[:, None], s_new, _MASKED)], axis=-1)
-  weights = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(v.dtype)
-  out = (jnp.einsum("bhim,bmhd->bihd", weights[..., :max_len], cache.v)
-         + jnp.einsum("bhij,bjhd->bihd", weights[..., max_len:], Vn))     # [B, W, H, Dh]
-  return out[slot, jnp.minimum(row, width - 1)]                      # [T, H, Dh]
+  multi = count[-1] >= 2 if count.shape[0] else jnp.zeros((batch,), bool)  # [B]
+  # Slots with several tokens first (in slot order), then the others as padding rows.
+  order = jnp.argsort(~multi, stable=True).astype(jnp.int32)        # [B]
+  at = jnp.zeros((batch,), jnp.int32).at[order].set(jnp.arange(batch, dtype=jnp.int32))
+  rows_e = draft_rows(batch) if width > 1 else (0,)
+  lengths = length_buckets(max_len)
+  live = jnp.max(jnp.where(valid, positions, 0)) + 1
+
+  def branch(e, m):
+    def run(cache_k, cache_v):
+      if layer is not None:
+        cache_k, cache_v = cache_k[layer], cache_v[layer]
+      ck, cv = cache_k[:, :, :m], cache_v[:, :, :m]                  # [B, H, m, Dh]
+      wr = written[:, :m]
+      # Part A: each slot's first token, to its cache and itself.
+      p0 = P[:, :1]
+      old = (jnp.arange(m)[None, None, :] <= p0[:, :, None]) & ~wr[:, None, :]    # [B, 1, m]
+      s_old = jnp.einsum("bihd,bhmd->bhim", Q[:, :1], ck) / scale
+      new = W[:, None, :] & (P[:, None, :] <= p0[:, :, None])        # [B, 1, W]
+      s_new = jnp.einsum("bihd,bjhd->bhij", Q[:, :1], Kn) / scale
+      scores = jnp.concatenate([jnp.where(old[:, None], s_old, _MASKED),
+                                jnp.where(new[:, None], s_new, _MASKED)], axis=-1)
+      weights = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(v.dtype)
+      first = (jnp.einsum("bhim,bhmd->bihd", weights[..., :m], cv)
+               + jnp.einsum("bhij,bjhd->bihd", weights[..., m:], Vn))[:, 0]    # [B, H, Dh]
+      out = first[slot]                                              # [T, H, Dh]
+      if e == 0:
+        return out
+      # Part B: the later tokens of the first e slots of `order`.
+      if e == batch:
+        idx, ek, ev, ewr = jnp.arange(batch), ck, cv, wr
+        pick = lambda x: x
+      else:
+        idx = order[:e]
+        pick = lambda x: x[idx]
+        ek, ev, ewr = ck[idx], cv[idx], wr[idx]                      # [e, H, m, Dh]
+      pq, qq = pick(P)[:, 1:], pick(Q)[:, 1:]                        # [e, W-1]
+      kn, vn, wn, pn = pick(Kn), pick(Vn), pick(W), pick(P)          # [e, W]
+      old = (jnp.arange(m)[None, None, :] <= pq[:, :, None]) & ~ewr[:, None, :]
+      new = wn[:, None, :] & (pn[:, None, :] <= pq[:, :, None])      # [e, W-1, W]
+      s_old = jnp.einsum("bihd,bhmd->bhim", qq, ek) / scale
+      s_new = jnp.einsum("bihd,bjhd->bhij", qq, kn) / scale
+      scores = jnp.concatenate([jnp.where(old[:, None], s_old, _MASKED),
+                                jnp.where(new[:, None], s_new, _MASKED)], axis=-1)
+      weights = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(v.dtype)
+      later = (jnp.einsum("bhim,bhmd->bihd", weights[..., :m], ev)
+               + jnp.einsum("bhij,bjhd->bihd", weights[..., m:], vn))  # [e, W-1, H, Dh]
+      if e == batch:
+        rows_t = slot
+      else:
+        rows_t = jnp.minimum(at[slot], e - 1)
+      got = later[rows_t, jnp.clip(row - 1, 0, width - 2)]
+      return jnp.where((row >= 1)[:, None, None], got, out)
+    return run
+
+  branches = [branch(e, m) for e in rows_e for m in lengths]
+  index = (_bucket(rows_e, jnp.sum(multi)) * len(lengths)
+           + _bucket(lengths, live)).astype(jnp.int32)
+  if len(branches) == 1:
+    return branches[0](cache.k, cache.v)
+  return jax.lax.switch(index, branches, cache.k, cache.v)
 
 
 class Attention(nn.Module):
@@ -168,6 +275,9 @@ class Attention(nn.Module):
   # packed_read: at most this many valid tokens per slot -> per-slot attention
   # (`_attend_slotted_read`); None: per token (`_attend_packed_read`).
   slot_width: int | None = None
+  # packed_read with `slot_width`: `cache` is every layer's `[L, B, H, M, Dh]` and this is
+  # the layer's index (sliced where it is read, only the live positions).
+  layer: int | None = None
 
   @nn.compact
   def __call__(self, x, positions, cache: LayerKV | None = None, slot=None,
@@ -190,28 +300,29 @@ class Attention(nn.Module):
       mask = jnp.ones(x.shape[:-1] + x.shape[-2:-1], bool)
       out = _attend(q, k, v, mask)
     elif self.mode == "dense":
-      batch, max_len = cache.k.shape[0], cache.k.shape[1]
+      batch, max_len = cache.k.shape[0], cache.k.shape[2]
       rows = jnp.arange(batch)[:, None]
-      new_cache = LayerKV(cache.k.at[rows, write_positions].set(k, mode="drop"),
-                          cache.v.at[rows, write_positions].set(v, mode="drop"))
+      new_cache = LayerKV(_entries(cache.k, rows, write_positions, k),
+                          _entries(cache.v, rows, write_positions, v))
       mask = jnp.arange(max_len)[None, None, :] <= positions[:, :, None]  # [B, S, M]
       if pick is not None:
         q, mask = pick_columns(q, pick), pick_columns(mask, pick)
-      out = _attend(q, new_cache.k, new_cache.v, mask)
+      out = _attend_cache(q, new_cache.k, new_cache.v, mask)
     elif self.mode == "packed":
-      max_len = cache.k.shape[1]
-      new_cache = LayerKV(cache.k.at[slot, write_positions].set(k, mode="drop"),
-                          cache.v.at[slot, write_positions].set(v, mode="drop"))
-      keys, values = new_cache.k[slot], new_cache.v[slot]  # [T, M, H, Dh]
+      max_len = cache.k.shape[2]
+      new_cache = LayerKV(_entries(cache.k, slot, write_positions, k),
+                          _entries(cache.v, slot, write_positions, v))
+      keys, values = new_cache.k[slot], new_cache.v[slot]  # [T, H, M, Dh]
       mask = jnp.arange(max_len)[None, None, :] <= positions[:, None, None]  # [T, 1, M]
-      out = _attend(q[:, None], keys, values, mask)[:, 0]
+      out = _attend_cache(q[:, None], keys, values, mask)[:, 0]
     elif self.mode == "packed_read":
       if self.slot_width is None:
         out = _attend_packed_read(q, k, v, cache, slot=slot, positions=positions,
                                   write_positions=write_positions)
       else:
         out = _attend_slotted_read(q, k, v, cache, slot=slot, positions=positions,
-                                   write_positions=write_positions, width=self.slot_width)
+                                   write_positions=write_positions, width=self.slot_width,
+                                   layer=self.layer)
       new_cache = LayerKV(k, v)  # [T, H, Dh]: this pass's entries, to be written
     else:
       raise ValueError(f"unknown attention mode {self.mode!r}")
@@ -227,13 +338,14 @@ class Block(nn.Module):
   rope_theta: float
   mode: str
   slot_width: int | None = None  # `Attention.slot_width`
+  layer: int | None = None       # `Attention.layer`
 
   @nn.compact
   def __call__(self, x, positions, cache=None, slot=None, write_positions=None, pick=None):
     """`pick [B]`: only column `pick[b]` of row b goes on past the keys and values
     (`Attention`'s pick): the output is `[B, 1, D]`."""
     attn = Attention(self.num_heads, self.head_dim, self.rope_theta, self.mode,
-                     self.slot_width, name="attn")
+                     self.slot_width, self.layer, name="attn")
     h, new_cache = attn(RMSNorm(name="attn_norm")(x), positions, cache, slot, write_positions,
                         pick)
     x = (x if pick is None else pick_columns(x, pick)) + h

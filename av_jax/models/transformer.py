@@ -27,9 +27,36 @@ from av_jax.models.layers import Block, LayerKV, RMSNorm
 
 
 class KVCache(NamedTuple):
-  """Per-slot KV cache of all layers."""
-  k: jax.Array  # [L, B, M, H, Dh] keys, RoPE applied, entry m holds position m
-  v: jax.Array  # [L, B, M, H, Dh] values
+  """Per-slot KV cache of all layers, heads-major: each `(slot, head)` holds its M
+  positions contiguously, the layout attention's batched matrix products read directly
+  (a position-major `[.., M, H, Dh]` cache is transposed whole, per layer and step, to
+  feed them)."""
+  k: jax.Array  # [L, B, H, M, Dh] keys, RoPE applied, entry m holds position m
+  v: jax.Array  # [L, B, H, M, Dh] values
+
+
+def cache_len(cache: KVCache) -> int:
+  """M, the positions per slot of `cache`."""
+  return cache.k.shape[3]
+
+
+def take_entries(x: jax.Array, slot: jax.Array, positions: jax.Array) -> jax.Array:
+  """Entries `[L, *S, H, Dh]` of a cache leaf `x [L, B, H, M, Dh]` at `(slot, positions)`
+  (int arrays broadcasting to a shape S); positions must be in range."""
+  n = jnp.broadcast_shapes(jnp.shape(slot), jnp.shape(positions))
+  y = x[:, slot, :, positions]                          # [*S, L, H, Dh]
+  return jnp.moveaxis(y, tuple(range(len(n))), tuple(range(1, 1 + len(n))))
+
+
+def put_entries(x: jax.Array, entries: jax.Array, slot: jax.Array,
+                positions: jax.Array) -> jax.Array:
+  """`x [L, B, H, M, Dh]` with `entries [L, *S, H, Dh]` written at `(slot, positions)`;
+  positions >= M are dropped (padding). A scatter into `x`: in place when `x` is donated
+  or a loop's carry."""
+  n = jnp.broadcast_shapes(jnp.shape(slot), jnp.shape(positions))
+  vals = jnp.moveaxis(entries.astype(x.dtype), tuple(range(1, 1 + len(n))),
+                      tuple(range(len(n))))             # [*S, L, H, Dh]
+  return x.at[:, slot, :, positions].set(vals, mode="drop")
 
 
 class ForwardOutput(NamedTuple):
@@ -61,10 +88,16 @@ class Transformer(nn.Module):
                      name="embed")
     x = embed(tokens) * math.sqrt(cfg.d_model)
     ks, vs = [], []
+    # The slotted read pass hands every layer the whole stacked cache and its index: a
+    # layer's slice taken here would be copied whole (XLA:CPU materialises a slice that
+    # feeds a product), where the attention slices the live positions only.
+    stacked = self.mode == "packed_read" and self.slot_width is not None
     for i in range(cfg.num_layers):
-      layer_cache = None if cache is None else LayerKV(cache.k[i], cache.v[i])
+      layer_cache = (None if cache is None else LayerKV(cache.k, cache.v) if stacked
+                     else LayerKV(cache.k[i], cache.v[i]))
       x, new_layer = Block(cfg.num_heads, cfg.head_dim, cfg.mlp_dim, cfg.rope_theta,
-                           self.mode, self.slot_width, name=f"layer_{i}")(
+                           self.mode, self.slot_width, i if stacked else None,
+                           name=f"layer_{i}")(
                                x, positions, layer_cache, slot, write_positions,
                                pick if i == cfg.num_layers - 1 else None)
       if new_layer is not None:
@@ -84,8 +117,8 @@ def init_params(cfg: TransformerConfig, key: jax.Array):
 
 def init_cache(cfg: TransformerConfig, batch: int, max_len: int,
                dtype=jnp.float32) -> KVCache:
-  """An all-zero cache for `batch` slots of `max_len` positions."""
-  shape = (cfg.num_layers, batch, max_len, cfg.num_heads, cfg.head_dim)
+  """An all-zero cache `[L, B, H, M, Dh]` for `batch` slots of `max_len` positions."""
+  shape = (cfg.num_layers, batch, cfg.num_heads, max_len, cfg.head_dim)
   return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
 
 
@@ -109,7 +142,7 @@ def forward(params, tokens: jax.typing.ArrayLike, positions: jax.typing.ArrayLik
     params: transformer parameters.
     tokens: `[B, S]` int token ids.
     positions: `[B, S]` int positions (need not start at 0 or be equal across rows).
-    cache: optional `KVCache` with leading `[L, B, M]`.
+    cache: optional `KVCache` `[L, B, H, M, Dh]`.
     cfg: the model config (static).
     valid: optional `[B, S]` bool; invalid tokens write nothing (their outputs are junk).
     pick: optional `[B]` int (with a cache): every token writes the cache, but outputs
@@ -129,11 +162,11 @@ def forward(params, tokens: jax.typing.ArrayLike, positions: jax.typing.ArrayLik
     if pick is not None:
       raise ValueError("pick: expected None without a cache (it serves the cached pass)")
     return Transformer(cfg, "causal").apply({"params": params}, tokens, positions)
-  _checks.shape("cache.k", cache.k, (cfg.num_layers, tokens.shape[0], None, cfg.num_heads,
-                                     cfg.head_dim), "LBMHD")
+  _checks.shape("cache.k", cache.k, (cfg.num_layers, tokens.shape[0], cfg.num_heads, None,
+                                     cfg.head_dim), "LBHMD")
   write = positions
   if valid is not None:
-    write = jnp.where(jnp.asarray(valid), positions, cache.k.shape[2])
+    write = jnp.where(jnp.asarray(valid), positions, cache_len(cache))
   if pick is None:
     return Transformer(cfg, "dense").apply({"params": params}, tokens, positions, cache, None,
                                            write)
@@ -154,7 +187,7 @@ def _packed_inputs(tokens, slot, positions, valid, cache: KVCache):
   for name, x in (("slot", slot), ("positions", positions), ("valid", valid)):
     _checks.shape(name, x, tokens.shape, "T")
   _checks.boolean("valid", valid)
-  return tokens, slot, positions, jnp.where(valid, positions, cache.k.shape[2])
+  return tokens, slot, positions, jnp.where(valid, positions, cache_len(cache))
 
 
 def forward_packed(params, tokens: jax.typing.ArrayLike, *, slot: jax.typing.ArrayLike,
@@ -174,7 +207,7 @@ def forward_packed(params, tokens: jax.typing.ArrayLike, *, slot: jax.typing.Arr
     slot: `[T]` int slot (cache row) of each token.
     positions: `[T]` int position of each token within its slot.
     valid: `[T]` bool, False for padding.
-    cache: `KVCache` with leading `[L, B, M]`.
+    cache: `KVCache` `[L, B, H, M, Dh]`.
     cfg: the model config (static).
 
   Returns:
@@ -224,9 +257,9 @@ def write_packed(cache: KVCache, writes: PackedWrites, *, slot: jax.typing.Array
   where `valid[t]`; what `forward_packed` writes when `writes` is `forward_packed_read`'s.
   """
   slot = jnp.asarray(slot, jnp.int32)
-  write = jnp.where(jnp.asarray(valid), jnp.asarray(positions, jnp.int32), cache.k.shape[2])
-  return KVCache(cache.k.at[:, slot, write].set(writes.k.astype(cache.k.dtype), mode="drop"),
-                 cache.v.at[:, slot, write].set(writes.v.astype(cache.v.dtype), mode="drop"))
+  write = jnp.where(jnp.asarray(valid), jnp.asarray(positions, jnp.int32), cache_len(cache))
+  return KVCache(put_entries(cache.k, writes.k, slot, write),
+                 put_entries(cache.v, writes.v, slot, write))
 
 
 def lm_loss(params, tokens: jax.Array, *, cfg: TransformerConfig,

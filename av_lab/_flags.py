@@ -13,6 +13,18 @@ import os
 from av_jax.models import checkpoint as model_files
 
 
+def checked(parse):
+  """An argparse `type` from a parser that raises ValueError (message kept): the text is
+  returned as given, `parse` only validates it."""
+  def check(text):
+    try:
+      parse(text)
+    except ValueError as e:
+      raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+  return check
+
+
 def at_least(low: int):
   """An argparse type: an int >= `low`."""
   def parse(text: str) -> int:

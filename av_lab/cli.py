@@ -24,7 +24,7 @@ import numpy as np
 
 from av_lab import compare as C
 from av_jax import costs
-from av_lab._flags import at_least, model_set, temperature, top_p
+from av_lab._flags import at_least, checked, model_set, temperature, top_p
 from av_jax import engine as E
 from av_jax import models as M
 from av_lab import demo
@@ -303,23 +303,12 @@ def cmd_demo(args) -> None:
   demo.main(args)
 
 
-def _checked(parse):
-  """An argparse `type` from a parser that raises ValueError (message kept)."""
-  def check(text):
-    try:
-      parse(text)
-    except ValueError as e:
-      raise argparse.ArgumentTypeError(str(e)) from None
-    return text
-  return check
-
-
-_arms_type = _checked(C.parse_arms)
-_clock_type = _checked(C.parse_clock)
+_arms_type = checked(C.parse_arms)
+_clock_type = checked(C.parse_clock)
 
 
 def _positive_ints(text: str) -> str:
-  return _checked(lambda t: C._int_list("concurrency", t))(text)  # pylint: disable=protected-access
+  return checked(lambda t: C._int_list("concurrency", t))(text)  # pylint: disable=protected-access
 
 
 def _positive_int(text: str) -> int:
@@ -330,10 +319,10 @@ def _positive_int(text: str) -> int:
 
 def _compare_args(p: argparse.ArgumentParser) -> None:
   p.add_argument("--models", default="default", help="shipped model set name")
-  p.add_argument("--drafter", default="block", type=_checked(
+  p.add_argument("--drafter", default="block", type=checked(
       lambda t: C._names("drafter", t, M.KINDS)),  # pylint: disable=protected-access
                  help=f"drafter kinds, comma-separated, of {list(M.KINDS)}")
-  p.add_argument("--workload", default="mixed", type=_checked(
+  p.add_argument("--workload", default="mixed", type=checked(
       lambda t: C._names("workload", t, C.workload_names())),  # pylint: disable=protected-access
                  help=f"workloads, comma-separated, of {list(C.workload_names())}")
   p.add_argument("--concurrency", default="1,2,4,8", type=_positive_ints,

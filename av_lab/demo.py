@@ -39,7 +39,7 @@ from typing import Callable, Mapping, Sequence
 import jax
 
 from av_lab import compare as C
-from av_lab._flags import at_least, model_set, temperature, top_p
+from av_lab._flags import at_least, checked, model_set, temperature, top_p
 
 DEFAULT_CONCURRENCY = "1,32"  # a low and a high concurrency
 DEFAULT_ARMS = "target_only,fixed:2,fixed:4,av"
@@ -53,13 +53,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
   p.add_argument("--workload", default=C.MIXED,
                  choices=(C.MIXED, "code", "prose", "math", "noisy"))
   p.add_argument("--concurrency", default=DEFAULT_CONCURRENCY,
-                 type=_checked(lambda t: C._int_list("concurrency", t)),  # pylint: disable=protected-access
+                 type=checked(lambda t: C._int_list("concurrency", t)),  # pylint: disable=protected-access
                  help="comma-separated concurrencies (slots B): a low and a high one")
   p.add_argument("--slots", type=at_least(1), default=None,
                  help="one concurrency B (instead of --concurrency)")
-  p.add_argument("--arms", default=DEFAULT_ARMS, type=_checked(C.parse_arms),
+  p.add_argument("--arms", default=DEFAULT_ARMS, type=checked(C.parse_arms),
                  help="comma-separated arms: target_only, fixed:K, av (av_jax.arms)")
-  p.add_argument("--clock", default=DEFAULT_CLOCK, type=_checked(C.parse_clock),
+  p.add_argument("--clock", default=DEFAULT_CLOCK, type=checked(C.parse_clock),
                  help="the modelled clock: DEVICE:SHAPE (e.g. h200:llama3-8b) or a cost-table "
                       ".json")
   p.add_argument("--k", type=at_least(1), default=8, help="K of arms given without :K")
@@ -73,17 +73,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
                  help="timed runs per arm and clock, interleaved")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--json", default=None, help="also write both comparisons' JSON here")
-
-
-def _checked(parse):
-  """An argparse `type` from a parser that raises ValueError (message kept)."""
-  def check(text):
-    try:
-      parse(text)
-    except ValueError as e:
-      raise argparse.ArgumentTypeError(str(e)) from None
-    return text
-  return check
 
 
 class Progress:

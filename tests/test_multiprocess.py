@@ -82,7 +82,7 @@ def test_multiprocess_generation_equals_single_process(tmp_path):
     assert (r["process_count"], r["local_devices"], r["global_devices"]) == (2, 4, 8)
     assert r["mesh_spans_processes"]
     assert not r["cache_fully_addressable"]     # each process holds only its slots
-    assert r["cache_spec"] == "P(None, 'data', None, 'model', None)"
+    assert r["cache_spec"] == "P(None, 'data', 'model', None, None)"
 
   runs = [r["sharded"] for r in results]
   # (a) Every request's tokens equal the single-process run with the same key.

@@ -25,4 +25,4 @@ def test_sharded_generation_equals_single_device():
     assert r["num_replicas"] == 8, name
     assert r["replicas_identical"], name         # bit-identical coefficients everywhere
     assert r["coef_equal"], name                 # and equal to the single-device fit
-    assert r["cache_spec"] == "P(None, 'data', None, 'model', None)", name
+    assert r["cache_spec"] == "P(None, 'data', 'model', None, None)", name

@@ -101,15 +101,21 @@ def test_profile_times_the_grouped_program():
   assert profile["buckets"] == list(engine.buckets) == [4, 12]
   assert profile["verify_groups"] == 2 and all(ms > 0 for ms in profile["bucket_ms"])
   cost = prof.cost_model_from_profile(profile, num_slots=4, max_tokens=12)
-  # The verify entries are the grouped program's bucket times mapped onto the whole
-  # steps measured (`verify_table`): B = 4 tokens cost the step without drafting, 5 and 6 (the
-  # 12 bucket) the one-slot step, 12 the full step, each less its drafting (kept
-  # monotone: a loaded machine can time a larger regime cheaper).
+  # The verify entries are the grouped program's whole steps measured (`verify_table`):
+  # B = 4 tokens cost the step without drafting, 12 the full step less its drafting, and
+  # 6 (B + K, in the 12 bucket with 5) the one-slot step less its bucket's drafting where
+  # that lies below the full step (else it is the subset path's overhead, priced in the
+  # draft table); kept monotone (a loaded machine can time a larger regime cheaper).
   steps = profile["step_ms"]
-  one = max(steps["one"] - profile["draft_bucket_ms"][0], steps["skip"])
-  full = max(steps["full"] - profile["draft_ms"], one)
+  anchors = prof.step_anchors(profile, num_slots=4, max_tokens=12)
+  assert anchors[0] == (4, steps["skip"])
+  assert anchors[-1] == (12, pytest.approx(steps["full"] - profile["draft_ms"]))
+  ts = [t for t, _ in anchors]
+  assert ts in ([4, 12], [4, 6, 12])
+  want = np.maximum.accumulate([ms for _, ms in anchors])
   v = np.asarray(cost.verify_ms)
-  np.testing.assert_allclose(v[[4, 5, 6, 12]], [steps["skip"], one, one, full], rtol=1e-6)
+  np.testing.assert_allclose(v[ts], np.maximum(want, 1e-6), rtol=1e-6)
+  assert v[5] == v[6]  # one bucket, one regime
 
 
 def test_group_bucket_sizes():

@@ -349,7 +349,7 @@ def draft_tables(profile: dict, *, num_slots: int,
     small = sizes[index] < B
     # At most what drafting all B in place costs (the table stays monotone).
     grown = np.minimum(draft + extra, draft[B])
-    fixed = np.where(small, np.minimum(fixed + (grown - draft), grown), fixed)
+    fixed = np.where(small, np.clip(fixed + (grown - draft), 0.0, grown), fixed)
     draft = np.where(small, grown, draft)
   return draft, fixed
 

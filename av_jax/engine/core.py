@@ -756,9 +756,9 @@ def _draft(engine: Engine, params: Params, drafter_state: DrafterState, key: jax
   sound = _sound(logits, draft.log_probs) | ~drafted                      # [B, K]
   finite = jnp.all(sound, axis=1)
   # Fallback per position: position i may be verified only if positions 1..i are sound,
-  # which reads nothing deeper than i (issue 12, item 6: with an autoregressive drafter
-  # positions > i depend on the draw at i, so a whole-slot check would make verifying i
-  # depend on that draw). Unusable positions get placeholder distributions.
+  # which reads nothing deeper than i (with an autoregressive drafter positions > i
+  # depend on the draw at i, so a whole-slot check would make verifying i depend on that
+  # draw). Unusable positions get placeholder distributions.
   ok = jnp.cumprod(sound, axis=1) > 0                                     # [B, K]
   usable = ok & drafted
   draft_logits = jnp.where(ok[..., None], logits, 0.0)

@@ -39,6 +39,7 @@ Reference: vLLM's online acceptance estimator for Adaptive Verification (PR 5222
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable, NamedTuple
 
 import jax
@@ -145,6 +146,102 @@ def intercept_step(state: EstimatorState, slope_step: jax.Array, *, l2: float) -
       d > 0, (-state.grad_intercepts - state.hess_cross * slope_step) / safe_d, 0.0)
 
 
+def _init(K: int, config: EstimatorConfig) -> EstimatorState:
+  # Every field gets its own buffer, so a fresh state can be donated to a jitted step.
+  zeros_k = lambda: jnp.zeros((K,), jnp.float32)
+  zero = lambda: jnp.zeros((), jnp.float32)
+  return EstimatorState(
+      slope=jnp.asarray(config.init_slope, jnp.float32),
+      intercepts=jnp.full((K,), config.init_intercept, jnp.float32),
+      grad_slope=zero(), grad_intercepts=zeros_k(), hess_slope=zero(),
+      hess_cross=zeros_k(), hess_diag=zeros_k(), counts=zeros_k(),
+      step=jnp.zeros((), jnp.int32), num_refits=jnp.zeros((), jnp.int32))
+
+
+def _check_features(K: int, features: jax.Array) -> None:
+  _checks.floating("features", features)
+  _checks.rank_at_least("features", features, 1)
+  if features.shape[-1] != K:
+    raise ValueError(
+        f"features: expected last dimension K={K} ([..., K]), got shape {features.shape}")
+
+
+def _predict(K: int, state: EstimatorState, features: jax.typing.ArrayLike) -> jax.Array:
+  features = jnp.asarray(features)
+  _check_features(K, features)
+  return jax.nn.sigmoid(state.slope * _sanitize(features) + state.intercepts)
+
+
+def _refit(K: int, config: EstimatorConfig, state: EstimatorState) -> EstimatorState:
+  c = config
+  # Slope first: Newton step, damped, capped by the trust region, then clamped to
+  # [0, max_abs_coef]; `applied` is the step the slope really takes.
+  delta_slope, _ = newton_step(state, l2=c.l2)
+  n_i = state.counts
+  n = jnp.sum(n_i)
+  step_slope = jnp.clip(n / (n + c.damping + 1e-30) * delta_slope, -c.max_step, c.max_step)
+  slope = jnp.clip(state.slope + step_slope, 0.0, c.max_abs_coef)
+  applied = slope - state.slope
+  # Then the intercepts' Newton step given that slope step (not the unconstrained one),
+  # damped and capped the same way per position, then clamped.
+  delta_intercepts = intercept_step(state, applied, l2=c.l2)
+  step_intercepts = jnp.clip(n_i / (n_i + c.damping + 1e-30) * delta_intercepts,
+                             -c.max_step, c.max_step)
+  intercepts = jnp.clip(state.intercepts + step_intercepts, -c.max_abs_coef, c.max_abs_coef)
+  return _init(K, config)._replace(slope=slope, intercepts=intercepts,
+                                   num_refits=state.num_refits + 1)
+
+
+def _label_mask(K: int, features, accepted, labeled, learn) -> jax.Array:
+  """The checked `[..., K]` mask of labels that count: labelled, finite, learning."""
+  _check_features(K, features)
+  _checks.shape("accepted", accepted, features.shape)
+  _checks.shape("labeled", labeled, features.shape)
+  _checks.boolean("labeled", labeled)
+  mask = labeled & jnp.isfinite(features)
+  if learn is not None:
+    learn = jnp.asarray(learn)
+    _checks.shape("learn", learn, features.shape[:-1])
+    _checks.boolean("learn", learn)
+    mask = mask & learn[..., None]
+  return mask
+
+
+def _round_stats(state: EstimatorState, features, accepted, mask) -> dict:
+  """The log-loss gradient and Hessian sums of one batch of labels at `state`'s
+  coefficients (summed over every batch dimension, per position K)."""
+  f = jnp.where(mask, _sanitize(features), 0.0)
+  mu = jax.nn.sigmoid(state.slope * f + state.intercepts)
+  m = mask.astype(jnp.float32)
+  resid = m * (mu - accepted.astype(jnp.float32))
+  weight = m * mu * (1.0 - mu)
+  lead = tuple(range(f.ndim - 1))
+  return dict(
+      grad_slope=jnp.sum(resid * f),
+      grad_intercepts=jnp.sum(resid, axis=lead),
+      hess_slope=jnp.sum(weight * f * f),
+      hess_cross=jnp.sum(weight * f, axis=lead),
+      hess_diag=jnp.sum(weight, axis=lead),
+      counts=jnp.sum(m, axis=lead))
+
+
+def _update(K: int, config: EstimatorConfig, state: EstimatorState,
+            features: jax.typing.ArrayLike, accepted: jax.typing.ArrayLike,
+            labeled: jax.typing.ArrayLike, *, axis_name: str | None = None,
+            learn: jax.typing.ArrayLike | None = None) -> EstimatorState:
+  features, accepted, labeled = map(jnp.asarray, (features, accepted, labeled))
+  mask = _label_mask(K, features, accepted, labeled, learn)
+  stats = _round_stats(state, features, accepted, mask)
+  if axis_name is not None:
+    stats = jax.lax.psum(stats, axis_name)
+  state = state._replace(
+      **{k: getattr(state, k) + v for k, v in stats.items()}, step=state.step + 1)
+  # The refit is O(K): computing it every step and selecting is cheaper than a cond.
+  done = state.step >= config.refit_interval
+  refitted = _refit(K, config, state)
+  return jax.tree.map(lambda r, s: jnp.where(done, r, s), refitted, state)
+
+
 def online_estimator(
     num_positions: int,
     config: EstimatorConfig | None = None,
@@ -190,93 +287,9 @@ def online_estimator(
   if config is not None and not isinstance(config, EstimatorConfig):
     raise ValueError(f"config: expected an EstimatorConfig or None, got {config!r}")
   config = dataclasses.replace(config or EstimatorConfig(), **overrides)
-  refit_interval, damping, l2 = config.refit_interval, config.damping, config.l2
-  init_slope, init_intercept = config.init_slope, config.init_intercept
-  max_abs_coef, max_step = config.max_abs_coef, config.max_step
   K = int(num_positions)
-
-  def init() -> EstimatorState:
-    # Every field gets its own buffer, so a fresh state can be donated to a jitted step.
-    zeros_k = lambda: jnp.zeros((K,), jnp.float32)
-    zero = lambda: jnp.zeros((), jnp.float32)
-    return EstimatorState(
-        slope=jnp.asarray(init_slope, jnp.float32),
-        intercepts=jnp.full((K,), init_intercept, jnp.float32),
-        grad_slope=zero(), grad_intercepts=zeros_k(), hess_slope=zero(),
-        hess_cross=zeros_k(), hess_diag=zeros_k(), counts=zeros_k(),
-        step=jnp.zeros((), jnp.int32), num_refits=jnp.zeros((), jnp.int32))
-
-  def _check_features(features):
-    _checks.floating("features", features)
-    _checks.rank_at_least("features", features, 1)
-    if features.shape[-1] != K:
-      raise ValueError(
-          f"features: expected last dimension K={K} ([..., K]), got shape {features.shape}")
-
-  def predict(state: EstimatorState, features: jax.typing.ArrayLike) -> jax.Array:
-    features = jnp.asarray(features)
-    _check_features(features)
-    logits = state.slope * _sanitize(features) + state.intercepts
-    return jax.nn.sigmoid(logits)
-
-  def refit(state: EstimatorState) -> EstimatorState:
-    # Slope first: Newton step, damped, capped by the trust region, then clamped to
-    # [0, max_abs_coef]; `applied` is the step the slope really takes.
-    delta_slope, _ = newton_step(state, l2=l2)
-    n_i = state.counts
-    n = jnp.sum(n_i)
-    step_slope = jnp.clip(n / (n + damping + 1e-30) * delta_slope, -max_step, max_step)
-    slope = jnp.clip(state.slope + step_slope, 0.0, max_abs_coef)
-    applied = slope - state.slope
-    # Then the intercepts' Newton step given that slope step (not the unconstrained one),
-    # damped and capped the same way per position, then clamped.
-    delta_intercepts = intercept_step(state, applied, l2=l2)
-    step_intercepts = jnp.clip(n_i / (n_i + damping + 1e-30) * delta_intercepts,
-                               -max_step, max_step)
-    intercepts = jnp.clip(state.intercepts + step_intercepts, -max_abs_coef, max_abs_coef)
-    fresh = init()
-    return fresh._replace(slope=slope, intercepts=intercepts,
-                          num_refits=state.num_refits + 1)
-
-  def update(state: EstimatorState, features: jax.typing.ArrayLike,
-             accepted: jax.typing.ArrayLike, labeled: jax.typing.ArrayLike, *,
-             axis_name: str | None = None,
-             learn: jax.typing.ArrayLike | None = None) -> EstimatorState:
-    features = jnp.asarray(features)
-    accepted = jnp.asarray(accepted)
-    labeled = jnp.asarray(labeled)
-    _check_features(features)
-    _checks.shape("accepted", accepted, features.shape)
-    _checks.shape("labeled", labeled, features.shape)
-    _checks.boolean("labeled", labeled)
-    mask = labeled & jnp.isfinite(features)
-    if learn is not None:
-      learn = jnp.asarray(learn)
-      _checks.shape("learn", learn, features.shape[:-1])
-      _checks.boolean("learn", learn)
-      mask = mask & learn[..., None]
-    f = jnp.where(mask, _sanitize(features), 0.0)
-    mu = jax.nn.sigmoid(state.slope * f + state.intercepts)
-    y = accepted.astype(jnp.float32)
-    m = mask.astype(jnp.float32)
-    resid = m * (mu - y)
-    weight = m * mu * (1.0 - mu)
-    lead = tuple(range(f.ndim - 1))  # sum over every batch dimension, keep K
-    stats = dict(
-        grad_slope=jnp.sum(resid * f),
-        grad_intercepts=jnp.sum(resid, axis=lead),
-        hess_slope=jnp.sum(weight * f * f),
-        hess_cross=jnp.sum(weight * f, axis=lead),
-        hess_diag=jnp.sum(weight, axis=lead),
-        counts=jnp.sum(m, axis=lead))
-    if axis_name is not None:
-      stats = jax.lax.psum(stats, axis_name)
-    state = state._replace(
-        **{k: getattr(state, k) + v for k, v in stats.items()}, step=state.step + 1)
-    # The refit is O(K): computing it every step and selecting is cheaper than a cond.
-    done = state.step >= refit_interval
-    refitted = refit(state)
-    return jax.tree.map(lambda r, s: jnp.where(done, r, s), refitted, state)
-
-  return OnlineEstimator(init=init, predict=predict, update=update, refit=refit,
+  return OnlineEstimator(init=functools.partial(_init, K, config),
+                         predict=functools.partial(_predict, K),
+                         update=functools.partial(_update, K, config),
+                         refit=functools.partial(_refit, K, config),
                          num_positions=K, config=config)

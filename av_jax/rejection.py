@@ -272,61 +272,41 @@ def rejection_sample_ragged(
 ) -> RaggedRejectionResult:
   """`rejection_sample` in vLLM's ragged layout (flat drafts, interleaved target rows).
 
-  Request b owns `num_draft_tokens[b]` consecutive draft tokens in the flat buffer and
-  `num_draft_tokens[b] + 1` consecutive target rows (its draft positions, then its bonus
-  row), in request order: the layout of the logits vLLM's model runner computes for
-  speculative decoding (`T + B` rows, before vLLM splits them into target and bonus
-  rows). Every request verifies all its draft tokens (the planner already pruned them).
-  Same key, same tokens and labels as the dense function on the padded batch.
+  Request b owns `num_draft_tokens[b]` consecutive flat draft tokens and that many + 1
+  consecutive target rows (drafts, then bonus), in request order: the `T + B` logits rows
+  vLLM's model runner computes. Every request verifies all its drafts. Same key, same
+  tokens and labels as the dense function on the padded batch. (tpu-inference's layout:
+  `av_jax.integrations.tpu_inference.RejectionSampler`.)
 
-  This is not tpu-inference's layout (T target rows, bonus token ids sampled outside,
-  output `[T main | B bonus]`): for that one use
-  `av_jax.integrations.tpu_inference.RejectionSampler`; for vLLM's `[B, K + 1]` output
-  rows, `av_jax.integrations.vllm.rejection_sample`.
+  E.g. num_draft_tokens [2, 0, 1]: drafts [a0 a1 | c0], target rows [a0 a1 a_bonus |
+  b_bonus | c0 c_bonus].
 
   Args:
     key: PRNG key.
     draft_probs: `[T, V]` draft distributions of the flat draft tokens.
-    draft_tokens: `[T]` int flat draft tokens; entries past `sum(num_draft_tokens)` are
-      padding and never read.
+    draft_tokens: `[T]` int flat draft tokens (past `sum(num_draft_tokens)`: padding).
     num_draft_tokens: `[B]` int in [0, max_draft_len], summing to at most T.
     target_probs: `[T + B, V]` target distributions, request b's rows at
       `cu[b] + b ... cu[b] + b + num_draft_tokens[b]` with `cu` the exclusive cumsum.
     max_draft_len: static K, an upper bound of `num_draft_tokens`.
-    logprobs: static; None (default) computes none; n >= 0 returns `result.logprobs` in
-      the layout of `tokens` (`[T + B, 1 + n]`), as `rejection_sample`.
+    logprobs: static; n >= 0 returns `result.logprobs` `[T + B, 1 + n]` (None: none).
     logprob_ranks: static; with `logprobs`, also the emitted tokens' ranks.
 
   Returns:
-    A `RaggedRejectionResult`: `tokens [T + B]` in the same layout as `target_probs`
-    (request b's emitted tokens first, then -1 placeholders up to its
-    `num_draft_tokens[b] + 1` rows; rows past the last request are -1); `accepted` and
-    `labeled` `[T]` in the flat draft order of `draft_tokens` (False past the last
-    request's drafts), ready for the estimator once scattered back to `[B, K]`.
+    A `RaggedRejectionResult`: `tokens [T + B]` in `target_probs`' layout (a request's
+    emitted tokens, then -1 up to its rows' end; -1 past the last request); `accepted`
+    and `labeled` `[T]` in the flat draft order (False past the last request's drafts).
 
   Raises:
-    ValueError: on wrong shapes or dtypes; eagerly (concrete values) also when
-      `num_draft_tokens` leaves [0, max_draft_len] or sums to more than T, or a draft id
-      is outside [0, V). Under jit values cannot raise: counts are clipped to
-      [0, max_draft_len] and then cut, in request order, to fit T (the request crossing
-      the end verifies only the drafts that fit, later ones none), and the layout is
-      that of the cut counts; a bad id ends its request's verification.
+    ValueError: on wrong shapes or dtypes; eagerly also when `num_draft_tokens` leaves
+      [0, max_draft_len] or sums to more than T, or a draft id is outside [0, V). Under
+      jit counts are clipped, then cut in request order to fit T (the layout is the cut
+      counts'), and a bad id ends its request's verification.
   """
-  draft_probs = jnp.asarray(draft_probs, jnp.float32)
-  target_probs = jnp.asarray(target_probs, jnp.float32)
-  draft_tokens = jnp.asarray(draft_tokens)
-  num_draft_tokens = jnp.asarray(num_draft_tokens)
-  _checks.rank("draft_probs", draft_probs, 2, "TV")
+  draft_probs, draft_tokens, num_draft_tokens, target_probs, K = _ragged_inputs(
+      draft_probs, draft_tokens, num_draft_tokens, target_probs, max_draft_len)
   T, V = draft_probs.shape
-  _checks.shape("draft_tokens", draft_tokens, (T,), "T")
-  _checks.integer("draft_tokens", draft_tokens)
-  _checks.rank("num_draft_tokens", num_draft_tokens, 1, "B")
-  _checks.integer("num_draft_tokens", num_draft_tokens)
   B = num_draft_tokens.shape[0]
-  _checks.shape("target_probs", target_probs, (T + B, V), "T+B,V")
-  K = int(max_draft_len)
-  if K < 1:
-    raise ValueError(f"max_draft_len: expected >= 1, got {max_draft_len}")
   num_logprobs = check_num_logprobs(logprobs, V)
   check_counts(num_draft_tokens, num_tokens=T, max_draft_len=K)
 
@@ -344,27 +324,56 @@ def rejection_sample_ragged(
       draft_tokens=jnp.where(in_draft, draft_tokens[draft_rows].astype(jnp.int32), 0),
       target_probs=target_probs[target_rows],
       num_verified=counts, logprobs=num_logprobs, logprob_ranks=logprob_ranks)
-  # Scatter each request's K + 1 outputs back to its target rows and its K labels back
-  # to its draft rows; padding (beyond a request's count (+ 1), past the last request)
-  # stays -1 / False.
+  # Each request's K + 1 outputs go back to its target rows and its K labels back to its
+  # draft rows; padding (beyond a request's count (+ 1), past the last request) stays
+  # -1 / False / NaN.
   own = i[None, :] <= counts[:, None]
-  index = jnp.where(own, target_rows, T + B)  # out of range -> dropped
-  tokens = jnp.full((T + B,), -1, jnp.int32).at[index.reshape(-1)].set(
-      dense.tokens.reshape(-1), mode="drop")
-  flat = jnp.where(in_draft, draft_rows, T).reshape(-1)
-  accepted = jnp.zeros((T,), bool).at[flat].set(dense.accepted.reshape(-1), mode="drop")
-  labeled = jnp.zeros((T,), bool).at[flat].set(dense.labeled.reshape(-1), mode="drop")
-  scattered = None
-  if num_logprobs is not None:
-    def scatter(values, fill):  # [B, K+1, ...] -> the target rows' layout [T+B, ...]
-      out = jnp.full((T + B,) + values.shape[2:], fill, values.dtype)
-      return out.at[index.reshape(-1)].set(
-          values.reshape((-1,) + values.shape[2:]), mode="drop")
-    lp = dense.logprobs
-    scattered = LogprobsTensors(logprob_token_ids=scatter(lp.logprob_token_ids, -1),
-                                logprobs=scatter(lp.logprobs, jnp.nan),
-                                selected_token_ranks=None if lp.selected_token_ranks is None
-                                else scatter(lp.selected_token_ranks, -1))
-  return RaggedRejectionResult(tokens=tokens, num_emitted=dense.num_emitted,
-                               num_accepted=dense.num_accepted, accepted=accepted,
-                               labeled=labeled, logprobs=scattered)
+  to_target = _ragged_scatter(jnp.where(own, target_rows, T + B), T + B)
+  to_draft = _ragged_scatter(jnp.where(in_draft, draft_rows, T), T)
+  lp = dense.logprobs
+  scattered = None if lp is None else LogprobsTensors(
+      logprob_token_ids=to_target(lp.logprob_token_ids, -1),
+      logprobs=to_target(lp.logprobs, jnp.nan),
+      selected_token_ranks=(None if lp.selected_token_ranks is None
+                            else to_target(lp.selected_token_ranks, -1)))
+  return RaggedRejectionResult(tokens=to_target(dense.tokens, -1),
+                               num_emitted=dense.num_emitted,
+                               num_accepted=dense.num_accepted,
+                               accepted=to_draft(dense.accepted, False),
+                               labeled=to_draft(dense.labeled, False), logprobs=scattered)
+
+
+def _ragged_inputs(draft_probs, draft_tokens, num_draft_tokens, target_probs,
+                   max_draft_len):
+  """`rejection_sample_ragged`'s arguments as arrays, their shapes and dtypes checked;
+  returns them with K = `max_draft_len`."""
+  draft_probs = jnp.asarray(draft_probs, jnp.float32)
+  target_probs = jnp.asarray(target_probs, jnp.float32)
+  draft_tokens = jnp.asarray(draft_tokens)
+  num_draft_tokens = jnp.asarray(num_draft_tokens)
+  _checks.rank("draft_probs", draft_probs, 2, "TV")
+  T, V = draft_probs.shape
+  _checks.shape("draft_tokens", draft_tokens, (T,), "T")
+  _checks.integer("draft_tokens", draft_tokens)
+  _checks.rank("num_draft_tokens", num_draft_tokens, 1, "B")
+  _checks.integer("num_draft_tokens", num_draft_tokens)
+  B = num_draft_tokens.shape[0]
+  _checks.shape("target_probs", target_probs, (T + B, V), "T+B,V")
+  K = int(max_draft_len)
+  if K < 1:
+    raise ValueError(f"max_draft_len: expected >= 1, got {max_draft_len}")
+  return draft_probs, draft_tokens, num_draft_tokens, target_probs, K
+
+
+def _ragged_scatter(index: jax.Array, size: int):
+  """A function writing `[B, n, ...]` values to the flat rows `index [B, n]` of a
+  `[size, ...]` buffer filled with `fill` (indices >= size are dropped).
+
+  E.g. index [[0, 1, 5], [2, 5, 5]], size 5: values [[a, b, c], [d, e, f]] -> [a, b, d, fill,
+  fill].
+  """
+  def scatter(values: jax.Array, fill) -> jax.Array:
+    out = jnp.full((size,) + values.shape[2:], fill, values.dtype)
+    return out.at[index.reshape(-1)].set(values.reshape((-1,) + values.shape[2:]),
+                                         mode="drop")
+  return scatter

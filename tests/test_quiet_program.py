@@ -103,9 +103,8 @@ def _regime(engine, state, name):
 
 @pytest.mark.parametrize("kind", ["block", "eagle"])
 def test_each_program_stops_where_the_kind_of_step_changes(kind):
-  """The quiet program runs no step where the next one drafts; the drafting program runs
-  at least one step and none past a quiet one; both stop at their limit. The plans are
-  set by `decider.regime`."""
+  """Each program runs no step where the next one is of the other kind, and both stop at
+  their limit. The plans are set by `decider.regime`."""
   engine = _engine(kind, True, temperature=1.0)
   params = fx.pair(kind)[2]
   quiet, drafting = G.compiled_modes(engine)
@@ -121,6 +120,8 @@ def test_each_program_stops_where_the_kind_of_step_changes(kind):
   assert not np.asarray(records.drafting)[count:].any()  # rows past the count are zeros
   state = _regime(engine, state, "skip")
   assert not bool(core.next_drafts(engine, state))
+  _, _, none = drafting(params, jax.tree.map(jnp.copy, state), np.int32(n))
+  assert int(none) == 0
   state, records, count = quiet(params, state, np.int32(n))
   assert int(count) == n and not np.asarray(records.drafting).any()
   assert np.asarray(records.active)[:n].min() == engine.config.num_slots
@@ -147,10 +148,29 @@ def test_the_quiet_step_where_a_slot_drafts_is_not_the_engines_step():
                             np.asarray(b.planner.memory.latest))
 
 
+def test_the_drafting_step_where_no_slot_drafts_is_not_the_engines_step():
+  """Negative control: where the plan lets no slot draft, the drafting step computes
+  something else than `step` (it verifies the base tokens through a packed bucket and
+  rejection sampling, not a target-only step's pass and draw), so `next_drafts` is what
+  makes the split run equal the one-program run."""
+  engine = _engine("block", True, temperature=1.0)
+  params = fx.pair("block")[2]
+  state = _regime(engine, _busy(engine, params, 0.5), "skip")
+  assert not bool(core.next_drafts(engine, state))
+  fresh = lambda: jax.tree.map(jnp.copy, state)
+  a, info_a = jax.jit(lambda p, s: core.step(engine, p, s))(params, fresh())
+  b, info_b = jax.jit(lambda p, s: core.drafting_step(engine, p, s))(params, fresh())
+  assert not bool(info_a.drafting) and not bool(info_b.drafting)
+  assert not np.array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
+  assert not np.array_equal(np.asarray(a.target_cache.k), np.asarray(b.target_cache.k))
+
+
 def test_a_quiet_step_needs_a_gated_engine():
   engine = _engine("block", True, mode="fixed")
   with pytest.raises(ValueError, match="engine: a quiet step needs a gated engine"):
     core.quiet_step(engine, fx.pair("block")[2], None)
+  with pytest.raises(ValueError, match="engine: a drafting step needs a gated engine"):
+    core.drafting_step(engine, fx.pair("block")[2], None)
   assert not core.splits_quiet(engine)
   assert not core.splits_quiet(_engine("block", False))
   assert core.splits_quiet(_engine("block", True))
@@ -160,7 +180,8 @@ def test_a_quiet_step_needs_a_gated_engine():
 @pytest.mark.parametrize("kind", ["block", "eagle"])
 def test_the_quiet_program_copies_no_cache(kind):
   """In place, as `run_chunk` is (tests/test_engine_inplace.py): no copy of the target
-  cache, nor of an autoregressive drafter's cache, inside the quiet program's loop."""
+  cache inside either program's loop, nor of an autoregressive drafter's cache inside the
+  quiet program's."""
   cfg, drafter, params = fx.pair(kind)
   B, max_len = 4, 64
   engine = core.make_engine(core.EngineConfig(mode="av", num_slots=B, max_draft=4,
@@ -168,6 +189,8 @@ def test_the_quiet_program_copies_no_cache(kind):
                             cfg, drafter)
   program = lambda p, s: core.run_mode(engine, p, s, 3, quiet=True)
   assert _loop_copies(engine, params, B, max_len, program=program) == 0
+  drafting = lambda p, s: core.run_mode(engine, p, s, 3, quiet=False)
+  assert _loop_copies(engine, params, B, max_len, program=drafting) == 0
   if kind == "eagle":
     assert _loop_copies(engine, params, B, max_len, program=program,
                         field=lambda state: state.drafter.cache.k) == 0

@@ -101,7 +101,7 @@ class _ChunkRunner:
   quiet program while no slot drafts, the drafting program while some do, switching on
   the host where one stops short (one count read per call). The chunk's boundaries, and
   so every step's state, are `run_chunk`'s. The kind a chunk starts with is the one the
-  last call ended in (a quiet call that finds the next step drafting runs no step)."""
+  last call ended in (a call that finds the next step of the other kind runs no step)."""
 
   def __init__(self, engine: core.Engine, programs):
     self.quiet_prog, self.draft_prog = programs

@@ -1112,8 +1112,8 @@ def _windowed(engine: Engine, state: DecodeState) -> bool:
 
 
 def _gated_step(engine: Engine, params: Params, state: DecodeState, *, key: jax.Array,
-                k_draft: jax.Array, k_verify: jax.Array,
-                quiet: bool = False) -> tuple[DecodeState, StepInfo]:
+                k_draft: jax.Array, k_verify: jax.Array, quiet: bool = False,
+                drafting_only: bool = False) -> tuple[DecodeState, StepInfo]:
   """A step under subset drafting: only the slots the decider's plan names draft.
 
   With n drafting slots, the drafting slots (then other slots as padding, whose outputs
@@ -1129,7 +1129,9 @@ def _gated_step(engine: Engine, params: Params, state: DecodeState, *, key: jax.
   `quiet` (static): the program of a step on which the decider lets no slot draft
   (`next_drafts` False; the caller's guarantee, `run_mode`): no drafting branches, and
   verification is a target-only step's (`_target_step`, no verify switch), with the
-  values of this step's branch 0.
+  values of this step's branch 0. `drafting_only` (static): the program of a step on
+  which some slot drafts (`next_drafts` True, `run_mode`): only the drafting branches,
+  and verification through the packed buckets alone.
   """
   cfg, decider, active = engine.config, engine.decider, state.active
   B, K1, width = cfg.num_slots, cfg.max_draft + 1, engine.pending_width
@@ -1237,8 +1239,11 @@ def _gated_step(engine: Engine, params: Params, state: DecodeState, *, key: jax.
   if quiet:  # branch 0 or an absorb: the drafting branches are never taken
     branch = jnp.maximum(branch - len(sizes), 0)
     sizes = ()
-  drafts, writes = (skip() if quiet and not windowed else jax.lax.switch(
-      branch, [skip] + [subset(E) for E in sizes] + [absorb_only(E) for E in absorbers]))
+  if drafting_only:  # some slot drafts: neither branch 0 nor an absorb-only branch
+    drafts, writes = jax.lax.switch(branch - 1, [subset(E) for E in sizes])
+  else:
+    drafts, writes = (skip() if quiet and not windowed else jax.lax.switch(
+        branch, [skip] + [subset(E) for E in sizes] + [absorb_only(E) for E in absorbers]))
   if windowed:
     old = state.drafter
     settled = work & (old.num_pending > K1)  # what `settle` did in the branch
@@ -1256,8 +1261,8 @@ def _gated_step(engine: Engine, params: Params, state: DecodeState, *, key: jax.
           jnp.where(drafting, jnp.asarray((0,) + tuple(sizes), jnp.int32)[branch], 0))
   commit = lambda drafts, verdict: _gated_commit_phase(engine, params, state, drafts,
                                                        verdict, slots)
-  return decide(drafts, drafting=drafting, rows=rows, packed=False if quiet else drafting,
-                commit=commit)
+  packed = False if quiet else True if drafting_only else drafting
+  return decide(drafts, drafting=drafting, rows=rows, packed=packed, commit=commit)
 
 
 def step(engine: Engine, params: Params, state: DecodeState) -> tuple[DecodeState, StepInfo]:
@@ -1313,12 +1318,26 @@ def quiet_step(engine: Engine, params: Params,
                      quiet=True)
 
 
+def drafting_step(engine: Engine, params: Params,
+                  state: DecodeState) -> tuple[DecodeState, StepInfo]:
+  """The step of a gated engine on which some slot drafts (`next_drafts` True), in its
+  own program: what `step` computes there, without the branches of a step that drafts
+  for no slot (no plain target pass, no backlog-only absorb). Run only where
+  `next_drafts` is True (`run_mode` checks it)."""
+  if not (engine.arm.drafts and engine.decider.gated):
+    raise ValueError(f"engine: a drafting step needs a gated engine (the av arm with "
+                     f"subset drafting), got mode {engine.config.mode!r}")
+  key, k_draft, k_verify = jax.random.split(state.key, 3)
+  return _gated_step(engine, params, state, key=key, k_draft=k_draft, k_verify=k_verify,
+                     drafting_only=True)
+
+
 def run_mode(engine: Engine, params: Params, state: DecodeState, limit: jax.Array, *,
              quiet: bool, num_steps: int | None = None
              ) -> tuple[DecodeState, StepInfo, jax.Array]:
   """Up to `limit` (traced, <= `num_steps`, default `steps_per_chunk`) steps of one kind
-  (a `lax.while_loop`): `quiet` runs `quiet_step` while the next step drafts for no slot
-  (possibly none); else `step` for at least one step, then while the next step drafts.
+  (a `lax.while_loop`): `quiet` runs `quiet_step` while the next step drafts for no slot,
+  else `drafting_step` while it drafts for some (either possibly none).
 
   The decisions are the state's, so a chunk run as a sequence of these (switching kind
   where one stops short, `batching.generate`) computes what `run_chunk` does, step for
@@ -1327,7 +1346,7 @@ def run_mode(engine: Engine, params: Params, state: DecodeState, limit: jax.Arra
   """
   n = num_steps or engine.config.steps_per_chunk
   one = (lambda s: quiet_step(engine, params, s)) if quiet else (
-      lambda s: step(engine, params, s))
+      lambda s: drafting_step(engine, params, s))
   shapes = jax.eval_shape(lambda s: one(s)[1], state)
   records = jax.tree.map(lambda x: jnp.zeros((n,) + x.shape, x.dtype), shapes)
   limit = jnp.minimum(jnp.asarray(limit, jnp.int32), n)
@@ -1335,7 +1354,7 @@ def run_mode(engine: Engine, params: Params, state: DecodeState, limit: jax.Arra
   def go_on(carry):
     i, state, _ = carry
     drafts = next_drafts(engine, state)
-    return (i < limit) & (~drafts if quiet else (i == 0) | drafts)
+    return (i < limit) & (~drafts if quiet else drafts)
 
   def body(carry):
     i, state, records = carry

@@ -324,9 +324,7 @@ def rejection_sample_ragged(
       draft_tokens=jnp.where(in_draft, draft_tokens[draft_rows].astype(jnp.int32), 0),
       target_probs=target_probs[target_rows],
       num_verified=counts, logprobs=num_logprobs, logprob_ranks=logprob_ranks)
-  # Each request's K + 1 outputs go back to its target rows and its K labels back to its
-  # draft rows; padding (beyond a request's count (+ 1), past the last request) stays
-  # -1 / False / NaN.
+  # Outputs back to the target rows, labels to the draft rows; padding keeps the fill.
   own = i[None, :] <= counts[:, None]
   to_target = _ragged_scatter(jnp.where(own, target_rows, T + B), T + B)
   to_draft = _ragged_scatter(jnp.where(in_draft, draft_rows, T), T)

@@ -93,51 +93,60 @@ def make_cost_model(draft_ms, verify_ms, *, min_cost: float = 1e-6,
   Example:
     >>> cost = make_cost_model(np.full(5, 0.7), [0.0, 2.0, 2.1, 2.1, 3.0])  # no warning
   """
-  tables = {}
-  for name, table in (("draft_ms", draft_ms), ("verify_ms", verify_ms)):
-    if table is None:
-      raise ValueError(f"{name}: expected a non-empty 1-D cost table, got None")
-    table = np.asarray(table, dtype=np.float64)
-    if table.ndim != 1 or table.size == 0:
-      raise ValueError(f"{name}: expected a non-empty 1-D table, got shape {table.shape}")
-    if not np.all(np.isfinite(table)) or np.any(table < 0):
-      raise ValueError(f"{name}: expected finite, non-negative costs, got {table}")
-    if name == "verify_ms":
-      low = np.flatnonzero(table[1:] < min_cost) + 1
-      if low.size:
-        warnings.warn(
-            f"{name}: {low.size} entries for >= 1 verified tokens are below "
-            f"min_cost={min_cost:g} (at T = {_some(low)}); floored to {min_cost:g}. A target "
-            f"pass is never free: re-profile the costs.", stacklevel=2)
-    floored = np.maximum(table, min_cost)
-    repaired = np.maximum.accumulate(floored)
-    fallen = np.flatnonzero(repaired > floored)
-    if fallen.size:
-      worst = int(fallen[np.argmax(repaired[fallen] - floored[fallen])])
+  draft = _repaired_table("draft_ms", draft_ms, min_cost)
+  verify = _repaired_table("verify_ms", verify_ms, min_cost)
+  # The fixed part is compared host-side with the float32 table the model holds.
+  fixed = _draft_fixed_part(draft_fixed_ms, draft.astype(np.float32).astype(np.float64))
+  return CostModel(draft_ms=jnp.asarray(draft, jnp.float32),
+                   verify_ms=jnp.asarray(verify, jnp.float32),
+                   draft_fixed_ms=jnp.asarray(fixed, jnp.float32))
+
+
+def _repaired_table(name: str, table, min_cost: float) -> np.ndarray:
+  """`table` checked, floored to `min_cost` and made its running maximum, with a
+  `UserWarning` for each repair (`make_cost_model`)."""
+  if table is None:
+    raise ValueError(f"{name}: expected a non-empty 1-D cost table, got None")
+  table = np.asarray(table, dtype=np.float64)
+  if table.ndim != 1 or table.size == 0:
+    raise ValueError(f"{name}: expected a non-empty 1-D table, got shape {table.shape}")
+  if not np.all(np.isfinite(table)) or np.any(table < 0):
+    raise ValueError(f"{name}: expected finite, non-negative costs, got {table}")
+  if name == "verify_ms":
+    low = np.flatnonzero(table[1:] < min_cost) + 1
+    if low.size:
       warnings.warn(
-          f"{name}: not monotone, the cost falls as work grows at {fallen.size} entries "
-          f"{_some(fallen)} (worst: entry {worst} is {floored[worst]:g}, below an earlier "
-          f"{repaired[worst]:g}); repaired to the running maximum.", stacklevel=2)
-    tables[name] = jnp.asarray(repaired, jnp.float32)
-    if name == "draft_ms":
-      draft = repaired.astype(np.float32).astype(np.float64)  # host-side (callable under jit)
+          f"{name}: {low.size} entries for >= 1 verified tokens are below "
+          f"min_cost={min_cost:g} (at T = {_some(low)}); floored to {min_cost:g}. A target "
+          f"pass is never free: re-profile the costs.", stacklevel=3)
+  floored = np.maximum(table, min_cost)
+  repaired = np.maximum.accumulate(floored)
+  fallen = np.flatnonzero(repaired > floored)
+  if fallen.size:
+    worst = int(fallen[np.argmax(repaired[fallen] - floored[fallen])])
+    warnings.warn(
+        f"{name}: not monotone, the cost falls as work grows at {fallen.size} entries "
+        f"{_some(fallen)} (worst: entry {worst} is {floored[worst]:g}, below an earlier "
+        f"{repaired[worst]:g}); repaired to the running maximum.", stacklevel=3)
+  return repaired
+
+
+def _draft_fixed_part(draft_fixed_ms, draft: np.ndarray) -> np.ndarray:
+  """`draft_fixed_ms` checked against `draft` and clipped to it (zeros when None)."""
   if draft_fixed_ms is None:
-    fixed = np.zeros_like(draft)
-  else:
-    fixed = np.asarray(draft_fixed_ms, np.float64)
-    if fixed.shape != draft.shape:
-      raise ValueError(f"draft_fixed_ms: expected shape {draft.shape} (that of draft_ms), "
-                       f"got {fixed.shape}")
-    if not np.all(np.isfinite(fixed)) or np.any(fixed < 0):
-      raise ValueError(f"draft_fixed_ms: expected finite, non-negative costs, got {fixed}")
-    above = np.flatnonzero(fixed > draft * (1 + 1e-6))
-    if above.size:
-      warnings.warn(
-          f"draft_fixed_ms: {above.size} entries exceed their draft_ms entry (at R = "
-          f"{_some(above)}); clipped to it.", stacklevel=2)
-    fixed = np.minimum(fixed, draft)
-  tables["draft_fixed_ms"] = jnp.asarray(fixed, jnp.float32)
-  return CostModel(**tables)
+    return np.zeros_like(draft)
+  fixed = np.asarray(draft_fixed_ms, np.float64)
+  if fixed.shape != draft.shape:
+    raise ValueError(f"draft_fixed_ms: expected shape {draft.shape} (that of draft_ms), "
+                     f"got {fixed.shape}")
+  if not np.all(np.isfinite(fixed)) or np.any(fixed < 0):
+    raise ValueError(f"draft_fixed_ms: expected finite, non-negative costs, got {fixed}")
+  above = np.flatnonzero(fixed > draft * (1 + 1e-6))
+  if above.size:
+    warnings.warn(
+        f"draft_fixed_ms: {above.size} entries exceed their draft_ms entry (at R = "
+        f"{_some(above)}); clipped to it.", stacklevel=3)
+  return np.minimum(fixed, draft)
 
 
 def _some(indices: np.ndarray, limit: int = 5) -> str:

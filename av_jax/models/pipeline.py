@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
@@ -103,7 +104,103 @@ def train_all(cfg: ModelsConfig, out_dir: str, *, progress: bool = True, log=pri
   Returns:
     The summary (also written to `{out_dir}/{cfg.name}_summary.json`).
   """
-  work_dir = work_dir or default_work_dir(cfg.name)
+  work_dir = _open_work_dir(cfg, work_dir or default_work_dir(cfg.name), resume)
+  os.makedirs(out_dir, exist_ok=True)
+  t_start = time.time()
+  timings = {}
+
+  t0 = time.time()
+  tokenizer, tok_json = _tokenizer(cfg, out_dir, work_dir, only)
+  streams = {n: workloads.token_stream(n, "train", tokenizer=tokenizer, config=cfg.data)
+             for n in workloads.list_workloads()}
+  timings["tokenizer_and_data_s"] = time.time() - t0
+  log(f"tokenizer: {tokenizer.vocab_size} tokens; train tokens per workload: "
+      f"{ {n: len(s) for n, s in streams.items()} }")
+
+  batches = functools.partial(_batches, cfg, streams)
+  k_target, k_drafters, _ = jax.random.split(jax.random.key(cfg.seed), 3)
+  fit_args = dict(disable_bar=not progress, log=log)
+  ckpt = lambda name: train.TrainingCheckpoint(os.path.join(work_dir, name),
+                                               checkpoint_every_s)
+  t0 = time.time()
+  target_params, target_hist = _train_target(cfg, out_dir, only, k_target,
+                                             batches(cfg.train_target, 1), ckpt, fit_args)
+  if not only:
+    timings["target_s"] = time.time() - t0
+  losses = heldout_losses(target_params, cfg, tokenizer)
+  log(f"target held-out loss: { {k: round(v, 4) for k, v in losses.items()} }")
+  save_part = functools.partial(_save_part, cfg, out_dir, checkpoint.tokenizer_hash(tok_json),
+                                losses)
+  if not only:
+    save_part("target", target_params)  # early, so a later failure keeps the target
+
+  t0 = time.time()
+  dparams, drafter_hist = _train_drafters(cfg, only, k_drafters, target_params,
+                                          batches(cfg.train_drafters, 2), ckpt, fit_args)
+  timings["drafters_s"] = time.time() - t0
+  t0 = time.time()
+  num_labels = 0
+  if not only or "block_head" in only:
+    dparams["block_head"], num_labels = _train_head(cfg, out_dir, tokenizer, target_params,
+                                                    dparams)
+  timings["head_s"] = time.time() - t0
+  sizes, counts = {}, {}
+  for part, p in ([] if only else [("target", target_params)]) + list(dparams.items()):
+    sizes[part] = save_part(part, p)
+    counts[part] = num_params(p)
+  timings["total_s"] = time.time() - t_start
+  summary = {
+      "name": cfg.name, "heldout_loss": losses, "num_params": counts, "bytes": sizes,
+      "timings": timings, "head_labels": num_labels,
+      "final_train_loss": {"target": target_hist[-1][1], "drafters": drafter_hist[-1][1]},
+      "jax_backend": jax.default_backend(), "cpu_count": os.cpu_count(),
+  }
+  return _write_summary(os.path.join(out_dir, f"{cfg.name}_summary.json"), summary, only,
+                        timings, num_labels, tok_json)
+
+
+def _batches(cfg: ModelsConfig, streams, tc, salt: int):
+  """Batch `i -> [batch, seq_len + 1]` tokens of the mixed training streams (seeded)."""
+  return lambda i: jnp.asarray(workloads.mixed_batch(
+      streams, np.random.default_rng([cfg.seed, salt, i]), batch=tc.batch,
+      length=tc.seq_len + 1))
+
+
+def _train_target(cfg: ModelsConfig, out_dir: str, only, key, batches, ckpt, fit_args):
+  """(target parameters, loss history): trained, or read from `out_dir` under `only`."""
+  if only:
+    return jax.tree.map(jnp.asarray, checkpoint.read(
+        checkpoint.path_of(out_dir, cfg.name, "target")).params), [(0, float("nan"))]
+  params = transformer.init_params(cfg.target, key)
+  params, hist = train.fit(
+      lambda p, b: train.target_loss(p, b, cfg=cfg), params, cfg.train_target, batches,
+      desc="target", checkpoint=ckpt("target"), flops_per_token=6.0 * num_params(params),
+      **fit_args)
+  return jax.tree.map(jnp.asarray, checkpoint.round_params(params)), hist
+
+
+def _train_drafters(cfg: ModelsConfig, only, key, target_params, batches, ckpt, fit_args):
+  """({kind: parameters}, loss history) of the drafters (those in `only`, else all),
+  distilled jointly from the target (one teacher forward per batch)."""
+  keys = dict(zip(DRAFTER_ORDER, jax.random.split(key, 3)))
+  kinds = [k for k in DRAFTER_ORDER if not only or k in only]
+  dparams = {kind: init_drafter_params(kind, cfg, keys[kind]) for kind in kinds}
+  if not dparams:
+    return dparams, [(0, float("nan"))]
+  dparams, hist = train.fit(
+      lambda p, b: train.drafter_losses(p, target_params, b, cfg=cfg), dparams,
+      cfg.train_drafters, batches, desc="drafters",
+      optimizer=train.make_per_model_optimizer(cfg.train_drafters),
+      checkpoint=ckpt("drafters_" + "_".join(kinds)),
+      # a teacher forward (2N) plus the drafters' forward and backward (6N each)
+      flops_per_token=2.0 * num_params(target_params) + 6.0 * num_params(dparams),
+      **fit_args)
+  return jax.tree.map(jnp.asarray, checkpoint.round_params(dparams)), hist
+
+
+def _open_work_dir(cfg: ModelsConfig, work_dir: str, resume: bool) -> str:
+  """`work_dir`, created, holding `cfg`; refuses to overwrite a run without `resume`, or
+  to resume a run of another config."""
   if not resume and os.path.isdir(work_dir) and os.listdir(work_dir):
     raise ValueError(f"work_dir: {work_dir} already holds a training run of {cfg.name!r}; "
                      "pass resume=True (--resume) to continue it, or delete the folder")
@@ -116,15 +213,15 @@ def train_all(cfg: ModelsConfig, out_dir: str, *, progress: bool = True, log=pri
                          f"{cfg.name!r} as it is now; delete the folder to start over")
   with open(cfg_path, "w", encoding="utf-8") as f:
     json.dump(to_dict(cfg), f, indent=1, sort_keys=True)
-  os.makedirs(out_dir, exist_ok=True)
-  t_start = time.time()
-  timings = {}
-  summary_path = os.path.join(out_dir, f"{cfg.name}_summary.json")
+  return work_dir
 
-  t0 = time.time()
+
+def _tokenizer(cfg: ModelsConfig, out_dir: str, work_dir: str, only):
+  """(tokenizer, its JSON): the one in `out_dir` (`only`) or `work_dir` (a resumed run
+  keeps the tokenizer it started with), else a new one trained and written to both."""
   tok_path = os.path.join(out_dir, f"tokenizer_{cfg.name}.json")
   work_tok = os.path.join(work_dir, "tokenizer.json")
-  if only or os.path.exists(work_tok):  # a resumed run keeps the tokenizer it started with
+  if only or os.path.exists(work_tok):
     with open(tok_path if only else work_tok, encoding="utf-8") as f:
       tok_json = f.read()
     tokenizer = from_json(tok_json)
@@ -140,97 +237,40 @@ def train_all(cfg: ModelsConfig, out_dir: str, *, progress: bool = True, log=pri
   if tokenizer.vocab_size != cfg.target.vocab_size:
     raise ValueError(f"tokenizer learnt {tokenizer.vocab_size} tokens, config says "
                      f"{cfg.target.vocab_size}; lower tokenizer_vocab or add text")
-  streams = {n: workloads.token_stream(n, "train", tokenizer=tokenizer, config=cfg.data)
-             for n in workloads.list_workloads()}
-  timings["tokenizer_and_data_s"] = time.time() - t0
-  log(f"tokenizer: {tokenizer.vocab_size} tokens; train tokens per workload: "
-      f"{ {n: len(s) for n, s in streams.items()} }")
+  return tokenizer, tok_json
 
-  def batches(tc, salt):
-    return lambda i: jnp.asarray(workloads.mixed_batch(
-        streams, np.random.default_rng([cfg.seed, salt, i]), batch=tc.batch,
-        length=tc.seq_len + 1))
 
-  # Target.
-  t0 = time.time()
-  key = jax.random.key(cfg.seed)
-  k_target, k_drafters, _ = jax.random.split(key, 3)
+def _save_part(cfg: ModelsConfig, out_dir: str, tok_hash: str, losses: dict, part: str,
+               params) -> int:
+  """Writes one model's checkpoint with its metadata; returns its size in bytes."""
+  meta = {"config": to_dict(cfg), "config_hash": config_hash(cfg, part),
+          "tokenizer_hash": tok_hash, "part": part}
+  if part == "target":
+    meta["heldout_loss"] = losses
+  return checkpoint.save(checkpoint.path_of(out_dir, cfg.name, part), params, meta)
+
+
+def _train_head(cfg: ModelsConfig, out_dir: str, tokenizer, target_params, dparams):
+  """(confidence-head parameters, labels used): fitted on labels from verification of
+  train-split prompts, over the block drafter just trained (or the one on disk)."""
+  block = dparams["block"] if "block" in dparams else jax.tree.map(
+      jnp.asarray, checkpoint.read(checkpoint.path_of(out_dir, cfg.name, "block")).params)
+  labels = collect_head_labels(cfg, tokenizer, target_params, block, split="train",
+                               seed=cfg.seed)
+  head_params = train.fit_confidence_head(
+      block, target_params, labels["hidden"], labels["token"], labels["labels"],
+      labels["mask"], cfg=cfg, steps=cfg.train_head.train_steps, lr=cfg.train_head.lr,
+      batch=cfg.train_head.batch, seed=cfg.seed)
+  return (jax.tree.map(jnp.asarray, checkpoint.round_params(head_params)),
+          int(labels["mask"].sum()))
+
+
+def _write_summary(path: str, summary: dict, only, timings: dict, num_labels: int,
+                   tok_json: str) -> dict:
+  """Writes the run's summary to `path` (a partial run's merged into the full run's
+  summary there) and returns it."""
   if only:
-    target_params = jax.tree.map(jnp.asarray, checkpoint.read(
-        checkpoint.path_of(out_dir, cfg.name, "target")).params)
-    target_hist = [(0, float("nan"))]
-  else:
-    params = transformer.init_params(cfg.target, k_target)
-    params, target_hist = train.fit(
-        lambda p, b: train.target_loss(p, b, cfg=cfg), params, cfg.train_target,
-        batches(cfg.train_target, 1), desc="target", disable_bar=not progress,
-        checkpoint=train.TrainingCheckpoint(os.path.join(work_dir, "target"),
-                                            checkpoint_every_s),
-        flops_per_token=6.0 * num_params(params), log=log)
-    target_params = jax.tree.map(jnp.asarray, checkpoint.round_params(params))
-    timings["target_s"] = time.time() - t0
-  losses = heldout_losses(target_params, cfg, tokenizer)
-  log(f"target held-out loss: { {k: round(v, 4) for k, v in losses.items()} }")
-  tok_hash = checkpoint.tokenizer_hash(tok_json)
-
-  def save_part(part, p):
-    meta = {"config": to_dict(cfg), "config_hash": config_hash(cfg, part),
-            "tokenizer_hash": tok_hash, "part": part}
-    if part == "target":
-      meta["heldout_loss"] = losses
-    return checkpoint.save(checkpoint.path_of(out_dir, cfg.name, part), p, meta)
-
-  if not only:
-    save_part("target", target_params)  # early, so a later failure keeps the target
-
-  # Drafters, distilled jointly (one teacher forward per batch).
-  t0 = time.time()
-  keys = dict(zip(DRAFTER_ORDER, jax.random.split(k_drafters, 3)))
-  train_kinds = [k for k in DRAFTER_ORDER if not only or k in only]
-  dparams = {kind: init_drafter_params(kind, cfg, keys[kind]) for kind in train_kinds}
-  drafter_hist = [(0, float("nan"))]
-  if dparams:
-    dparams, drafter_hist = train.fit(
-        lambda p, b: train.drafter_losses(p, target_params, b, cfg=cfg), dparams,
-        cfg.train_drafters, batches(cfg.train_drafters, 2), desc="drafters",
-        disable_bar=not progress, optimizer=train.make_per_model_optimizer(cfg.train_drafters),
-        checkpoint=train.TrainingCheckpoint(
-            os.path.join(work_dir, "drafters_" + "_".join(train_kinds)), checkpoint_every_s),
-        # a teacher forward (2N) plus the drafters' forward and backward (6N each)
-        flops_per_token=2.0 * num_params(target_params) + 6.0 * num_params(dparams), log=log)
-    dparams = jax.tree.map(jnp.asarray, checkpoint.round_params(dparams))
-  timings["drafters_s"] = time.time() - t0
-
-  # Confidence head on labels from verification of train-split prompts.
-  t0 = time.time()
-  num_labels = 0
-  if not only or "block_head" in only:
-    block = dparams["block"] if "block" in dparams else jax.tree.map(
-        jnp.asarray, checkpoint.read(checkpoint.path_of(out_dir, cfg.name, "block")).params)
-    labels = collect_head_labels(cfg, tokenizer, target_params, block, split="train",
-                                 seed=cfg.seed)
-    head_params = train.fit_confidence_head(
-        block, target_params, labels["hidden"], labels["token"], labels["labels"],
-        labels["mask"], cfg=cfg, steps=cfg.train_head.train_steps, lr=cfg.train_head.lr,
-        batch=cfg.train_head.batch, seed=cfg.seed)
-    dparams["block_head"] = jax.tree.map(jnp.asarray, checkpoint.round_params(head_params))
-    num_labels = int(labels["mask"].sum())
-  timings["head_s"] = time.time() - t0
-
-  # Save.
-  sizes, counts = {}, {}
-  for part, p in ([] if only else [("target", target_params)]) + list(dparams.items()):
-    sizes[part] = save_part(part, p)
-    counts[part] = num_params(p)
-  timings["total_s"] = time.time() - t_start
-  summary = {
-      "name": cfg.name, "heldout_loss": losses, "num_params": counts, "bytes": sizes,
-      "timings": timings, "head_labels": num_labels,
-      "final_train_loss": {"target": target_hist[-1][1], "drafters": drafter_hist[-1][1]},
-      "jax_backend": jax.default_backend(), "cpu_count": os.cpu_count(),
-  }
-  if only:  # merge into the summary of the full run
-    with open(summary_path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8") as f:
       old = json.load(f)
     for k in ("num_params", "bytes"):
       summary[k] = {**old[k], **summary[k]}
@@ -240,6 +280,6 @@ def train_all(cfg: ModelsConfig, out_dir: str, *, progress: bool = True, log=pri
     summary["head_labels"] = num_labels or old["head_labels"]
     summary["final_train_loss"] = old["final_train_loss"]
   summary["total_bytes"] = int(sum(summary["bytes"].values()) + len(tok_json.encode()))
-  with open(summary_path, "w", encoding="utf-8") as f:
+  with open(path, "w", encoding="utf-8") as f:
     json.dump(summary, f, indent=2, sort_keys=True)
   return summary

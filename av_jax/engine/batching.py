@@ -242,9 +242,60 @@ def generate(engine: core.Engine, params: core.Params, prompts: Sequence[Sequenc
   start = time.perf_counter()
   if mesh is not None:
     engine = sharding.for_mesh(engine, mesh)  # one verify group per 'data' shard
-  cfg = engine.config
-  B = cfg.num_slots
-  prefill, chunk, init = compiled(engine)
+  max_new_tokens, learn = _per_request(engine, prompts, max_new_tokens, learn, mesh=mesh,
+                                       checkpoints=(checkpoint_path, resume_from))
+  queue = _Queue(engine, prompts, max_new_tokens, learn)
+  params, state, programs = _start(engine, params, key, cost, state, mesh, queue,
+                                   resume_from, masked=not all(learn))
+  state, out = _serve(queue, programs, params, state, keep_infos=keep_infos,
+                      clocked=tables is not None, on_chunk=on_chunk,
+                      stop_after_chunks=stop_after_chunks, checkpoint_path=checkpoint_path)
+  return GenerateResult(completions=queue.completions, stats=_stats(state),
+                        infos=out["infos"], state=state, stopped=out["stopped"],
+                        wall_s=time.perf_counter() - start,
+                        modelled=_modelled(out["records"], tables),
+                        chunk_seconds=out["chunk_seconds"])
+
+
+def _serve(queue, programs, params, state, *, keep_infos, clocked, on_chunk,
+           stop_after_chunks, checkpoint_path):
+  """`generate`'s loop: chunks until every request is done (or `stop_after_chunks`),
+  settling the queue after each. Returns the state and {infos, records (the modelled
+  clock's fields), chunk_seconds, stopped}."""
+  prefill, chunk, runner = programs
+  out = dict(infos=[], records=[], chunk_seconds=[], stopped=False)
+  state = queue.settle(prefill, params, state)
+  chunks = 0
+  while queue.busy():
+    if stop_after_chunks is not None and chunks >= stop_after_chunks:
+      out["stopped"] = True
+      if checkpoint_path is not None:
+        queue.save(checkpoint_path, state)
+      break
+    began = time.perf_counter()
+    if runner is None:
+      state, info = chunk(params, state)
+      jax.block_until_ready(info.emitted)  # the loop syncs in `settle` anyway
+      out["chunk_seconds"].append(time.perf_counter() - began)
+    else:
+      state, pieces = runner(params, state)  # reads each call's count
+      out["chunk_seconds"].append(time.perf_counter() - began)
+      if keep_infos or clocked or on_chunk is not None:
+        info = runner.records(pieces)
+    chunks += 1
+    if keep_infos:
+      out["infos"].append(distributed.fetch(info))
+    if clocked:
+      out["records"].append(modelled_clock.ClockRecord(*distributed.fetch(
+          modelled_clock.step_fields(info))))
+    if on_chunk is not None:
+      on_chunk(state, info)
+    state = queue.settle(prefill, params, state)
+  return state, out
+
+
+def _per_request(engine: core.Engine, prompts, max_new_tokens, learn, *, mesh, checkpoints):
+  """`generate`'s `max_new_tokens` and `learn` as one checked entry per prompt."""
   if isinstance(max_new_tokens, int):
     max_new_tokens = [max_new_tokens] * len(prompts)
   if len(max_new_tokens) != len(prompts):
@@ -255,30 +306,101 @@ def generate(engine: core.Engine, params: core.Params, prompts: Sequence[Sequenc
   learn = [bool(flag) for flag in learn]
   if len(learn) != len(prompts):
     raise ValueError(f"learn: expected {len(prompts)} flags (one per prompt), got {len(learn)}")
-  masked = not all(learn)
-  if masked:
+  if not all(learn):
     if not isinstance(engine.decider, PolicyDecider):  # its `learn` takes the mask
       raise ValueError(f"learn: a per-request mask needs the av arm's decider (PolicyDecider), "
                        f"got {type(engine.decider).__name__}")
-    if mesh is not None or checkpoint_path is not None or resume_from is not None:
+    if mesh is not None or any(path is not None for path in checkpoints):
       raise ValueError("learn: a per-request mask runs on one device without checkpoints "
                        "(mesh, checkpoint_path and resume_from must be None)")
-  max_prompt = cfg.max_len - cfg.max_draft - 2
-  vocab = engine.target.vocab_size
-  completions: list[Completion | None] = [None] * len(prompts)
-  waiting = []
-  for i, prompt in enumerate(prompts):
-    error = validate_prompt(prompt, vocab_size=vocab, max_prompt=max_prompt)
-    if error is None and max_new_tokens[i] < 1:
-      error = f"max_new_tokens: expected >= 1, got {max_new_tokens[i]}"
-    if error is not None:
-      completions[i] = Completion(list(prompt), [], "error", error)
-    else:
-      waiting.append(i)
-  waiting.reverse()  # pop() serves requests in order
+  return list(max_new_tokens), learn
 
-  owner = [-1] * B  # request index held by each slot
-  cost = core.default_cost(cfg) if cost is None else cost
+
+class _Queue:
+  """The requests of one `generate` call: which slot holds which, who waits, what is
+  done. `settle` collects finished slots and prefills free ones."""
+
+  def __init__(self, engine: core.Engine, prompts, max_new_tokens, learn):
+    cfg = engine.config
+    self.engine, self.prompts, self.max_new, self.learn = engine, prompts, max_new_tokens, learn
+    self.max_prompt = cfg.max_len - cfg.max_draft - 2
+    self.completions: list[Completion | None] = [None] * len(prompts)
+    self.waiting = []
+    for i, prompt in enumerate(prompts):
+      error = validate_prompt(prompt, vocab_size=engine.target.vocab_size,
+                              max_prompt=self.max_prompt)
+      if error is None and max_new_tokens[i] < 1:
+        error = f"max_new_tokens: expected >= 1, got {max_new_tokens[i]}"
+      if error is not None:
+        self.completions[i] = Completion(list(prompt), [], "error", error)
+      else:
+        self.waiting.append(i)
+    self.waiting.reverse()  # pop() serves requests in order
+    self.owner = [-1] * cfg.num_slots  # request index held by each slot
+
+  def busy(self) -> bool:
+    return any(o >= 0 for o in self.owner)
+
+  def restore(self, extra: dict) -> None:
+    """The queue a checkpoint saved (`save`)."""
+    if extra.get("num_requests") != len(self.prompts):
+      raise ValueError(f"resume_from: the checkpoint holds {extra.get('num_requests')} "
+                       f"requests, got {len(self.prompts)} prompts")
+    self.owner = list(extra["owner"])
+    self.waiting = list(extra["waiting"])
+    self.completions = [None if c is None else Completion(**c) for c in extra["completions"]]
+
+  def save(self, path: str, state: core.DecodeState) -> None:
+    from av_jax.engine import checkpoint  # deferred: orbax is heavy, needed only here
+    checkpoint.save(path, state, engine=self.engine, extra=dict(
+        num_requests=len(self.prompts), owner=self.owner, waiting=self.waiting,
+        completions=[None if c is None else dataclasses.asdict(c)
+                     for c in self.completions]))
+
+  def _finish(self, b: int, tokens, lengths, prompt_lens) -> None:
+    i = self.owner[b]
+    out = tokens[b, prompt_lens[b]:lengths[b]].tolist()
+    reason = "eos" if out and out[-1] == self.engine.config.eos_id else "length"
+    self.completions[i] = Completion(list(self.prompts[i]), out, reason)
+    self.owner[b] = -1
+
+  def _admit(self, prefill, params, state, b: int):
+    i = self.waiting.pop()
+    prompt = np.asarray(self.prompts[i], np.int32)
+    padded = np.zeros((_prompt_bucket(len(prompt), self.max_prompt),), np.int32)
+    padded[:len(prompt)] = prompt
+    state = prefill(params, state, padded, np.int32(len(prompt)), np.int32(b),
+                    np.int32(self.max_new[i]))
+    if state.learn is not None:  # the slot teaches as its new request says
+      state = state._replace(learn=state.learn.at[b].set(self.learn[i]))
+    self.owner[b] = i
+    return state
+
+  def settle(self, prefill, params, state: core.DecodeState) -> core.DecodeState:
+    """Collects finished slots and refills free ones until nothing changes."""
+    while True:
+      active = distributed.fetch(state.active)
+      changed = False
+      host = None  # (tokens, lengths, prompt_lens), fetched once a slot finished
+      for b in range(len(self.owner)):
+        if self.owner[b] >= 0 and not active[b]:
+          host = host or distributed.fetch((state.tokens, state.length, state.prompt_len))
+          self._finish(b, *host)
+          changed = True
+        if self.owner[b] < 0 and self.waiting:
+          state = self._admit(prefill, params, state, b)
+          changed = True
+      if not changed:
+        return state
+
+
+def _start(engine: core.Engine, params, key, cost, state, mesh, queue: _Queue,
+           resume_from, *, masked: bool):
+  """(params, state, (prefill, chunk, runner)) placed for `mesh` (or one device): the
+  given state, the checkpoint's (restoring `queue`), or a fresh one."""
+  B = engine.config.num_slots
+  prefill, chunk, init = compiled(engine)
+  cost = core.default_cost(engine.config) if cost is None else cost
   if mesh is not None:
     sharding.check_divisible(engine, mesh)
     params = sharding.put(params, sharding.param_shardings(mesh, params))
@@ -290,12 +412,7 @@ def generate(engine: core.Engine, params: core.Params, prompts: Sequence[Sequenc
   if resume_from is not None:
     from av_jax.engine import checkpoint  # deferred: orbax is heavy, needed only here
     state, extra = checkpoint.restore(resume_from, engine=engine, like=state)
-    if extra.get("num_requests") != len(prompts):
-      raise ValueError(f"resume_from: the checkpoint holds {extra.get('num_requests')} "
-                       f"requests, got {len(prompts)} prompts")
-    owner = list(extra["owner"])
-    waiting = list(extra["waiting"])
-    completions = [None if c is None else Completion(**c) for c in extra["completions"]]
+    queue.restore(extra)
   if masked and state.learn is None:
     state = state._replace(learn=jnp.ones((B,), bool))
   if mesh is not None:
@@ -304,90 +421,28 @@ def generate(engine: core.Engine, params: core.Params, prompts: Sequence[Sequenc
   else:
     modes = compiled_modes(engine) if core.splits_quiet(engine) else None
   runner = None if modes is None else _ChunkRunner(engine, modes)
-  infos = []
-  records = []  # the modelled clock's fields of every chunk
+  return params, state, (prefill, chunk, runner)
 
-  def settle(state):
-    """Collects finished slots and refills free ones until nothing changes."""
-    while True:
-      active = distributed.fetch(state.active)
-      changed = False
-      lengths = prompt_lens = tokens = None
-      for b in range(B):
-        if owner[b] >= 0 and not active[b]:
-          if tokens is None:
-            tokens, lengths, prompt_lens = distributed.fetch(
-                (state.tokens, state.length, state.prompt_len))
-          i = owner[b]
-          out = tokens[b, prompt_lens[b]:lengths[b]].tolist()
-          reason = "eos" if out and out[-1] == cfg.eos_id else "length"
-          completions[i] = Completion(list(prompts[i]), out, reason)
-          owner[b] = -1
-          changed = True
-        if owner[b] < 0 and waiting:
-          i = waiting.pop()
-          prompt = np.asarray(prompts[i], np.int32)
-          size = _prompt_bucket(len(prompt), max_prompt)
-          padded = np.zeros((size,), np.int32)
-          padded[:len(prompt)] = prompt
-          state = prefill(params, state, padded, np.int32(len(prompt)), np.int32(b),
-                          np.int32(max_new_tokens[i]))
-          if state.learn is not None:  # the slot teaches as its new request says
-            state = state._replace(learn=state.learn.at[b].set(learn[i]))
-          owner[b] = i
-          changed = True
-      if not changed:
-        return state
 
-  state = settle(state)
-  chunks = 0
-  chunk_seconds: list[float] = []
-  stopped = False
-  while any(o >= 0 for o in owner):
-    if stop_after_chunks is not None and chunks >= stop_after_chunks:
-      stopped = True
-      if checkpoint_path is not None:
-        from av_jax.engine import checkpoint  # deferred: orbax is heavy, needed only here
-        checkpoint.save(checkpoint_path, state, engine=engine, extra=dict(
-            num_requests=len(prompts), owner=owner, waiting=waiting,
-            completions=[None if c is None else dataclasses.asdict(c) for c in completions]))
-      break
-    began = time.perf_counter()
-    if runner is None:
-      state, info = chunk(params, state)
-      jax.block_until_ready(info.emitted)  # the loop syncs in `settle` anyway
-      chunk_seconds.append(time.perf_counter() - began)
-    else:
-      state, pieces = runner(params, state)  # reads each call's count
-      chunk_seconds.append(time.perf_counter() - began)
-      if keep_infos or tables is not None or on_chunk is not None:
-        info = runner.records(pieces)
-    chunks += 1
-    if keep_infos:
-      infos.append(distributed.fetch(info))
-    if tables is not None:
-      records.append(modelled_clock.ClockRecord(*distributed.fetch(
-          modelled_clock.step_fields(info))))
-    if on_chunk is not None:
-      on_chunk(state, info)
-    state = settle(state)
-
+def _stats(state: core.DecodeState) -> dict:
+  """The state's running totals as host numbers (`GenerateResult.stats`)."""
   s = distributed.fetch(state.stats)
-  stats = dict(steps=int(s.steps), emitted=int(s.emitted), verified=int(s.verified),
-               draft_tokens=int(s.draft_tokens), nonfinite=int(s.nonfinite),
-               accepted=int(s.accepted_at.sum()), labeled=int(s.labeled_at.sum()),
-               acceptance_at=(s.accepted_at / np.maximum(s.labeled_at, 1)).tolist(),
-               bucket_hist=s.bucket_hist.tolist())
-  modelled = None
-  if tables is not None:
-    modelled = modelled_clock.figures(
-        modelled_clock.ClockRecord(*(np.concatenate([getattr(r, f) for r in records])
-                                     if records else np.zeros((0,), np.int64)
-                                     for f in modelled_clock.ClockRecord._fields)),
-        tables)  # this run's tokens (stats are running totals of a continued state)
-  return GenerateResult(completions=completions, stats=stats, infos=infos, state=state,
-                        stopped=stopped, wall_s=time.perf_counter() - start,
-                        modelled=modelled, chunk_seconds=chunk_seconds)
+  return dict(steps=int(s.steps), emitted=int(s.emitted), verified=int(s.verified),
+              draft_tokens=int(s.draft_tokens), nonfinite=int(s.nonfinite),
+              accepted=int(s.accepted_at.sum()), labeled=int(s.labeled_at.sum()),
+              acceptance_at=(s.accepted_at / np.maximum(s.labeled_at, 1)).tolist(),
+              bucket_hist=s.bucket_hist.tolist())
+
+
+def _modelled(records, tables):
+  """The modelled clock's figures of this run's steps (None on the wall clock)."""
+  if tables is None:
+    return None
+  return modelled_clock.figures(
+      modelled_clock.ClockRecord(*(np.concatenate([getattr(r, f) for r in records])
+                                   if records else np.zeros((0,), np.int64)
+                                   for f in modelled_clock.ClockRecord._fields)),
+      tables)  # this run's tokens (stats are running totals of a continued state)
 
 
 def _modelled_tables(clock, cost) -> CostTables | None:

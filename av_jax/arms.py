@@ -1,6 +1,6 @@
 """The arms a decode run can take, in one registry: what each drafts, scores and plans.
 
-An arm is a way of choosing what to verify; the engine (`EngineConfig.arm`), the
+An arm is a way of choosing what to verify; the engine (`EngineConfig.mode`), the
 synthetic simulator and the studies name arms from here and nowhere else.
 
 | arm           | drafts | acceptance from       | budget policy                  | counts as verified |

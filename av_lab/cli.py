@@ -29,6 +29,7 @@ from av_jax import engine as E
 from av_jax import models as M
 from av_lab import demo
 from av_jax.engine import profile as prof
+from av_jax.sampling import Sampling
 from av_lab.studies import run as studies
 
 
@@ -70,9 +71,9 @@ def _load(args, mode: str | None = None, *, status=lambda message: None):
   status(f"loading model set {args.models!r} with the {args.drafter} drafter ...")
   pair = M.load(args.models, drafter=args.drafter)
   config = E.EngineConfig(num_slots=args.slots, max_draft=args.k, max_len=args.max_len,
-                          mode=mode or args.mode, temperature=args.temperature,
-                          top_p=args.top_p, eos_id=pair.tokenizer.eos_id,
-                          steps_per_chunk=args.steps_per_chunk)
+                          mode=mode or args.mode, eos_id=pair.tokenizer.eos_id,
+                          sampling=Sampling(temperature=args.temperature, top_p=args.top_p),
+                          programs=E.Programs(steps_per_chunk=args.steps_per_chunk))
   engine = E.make_engine(config, pair.cfg, pair.drafter)
   params = E.Params(target=pair.target_params, drafter=pair.drafter_params)
   status(f"loaded in {time.perf_counter() - start:.1f} s")

@@ -48,6 +48,8 @@ from av_jax.arms import ARMS, get_arm, parse_arm
 from av_jax.engine import clock as modelled_clock
 from av_jax.engine import core
 from av_jax.engine import profile as prof
+from av_jax.estimator import EstimatorConfig
+from av_jax.sampling import Sampling
 
 MIXED = "mixed"  # every workload, interleaved request by request
 STATIC_MODES = ("target_only", "fixed")  # arms whose budget does not adapt
@@ -262,8 +264,8 @@ class Runner:
     # fitted, as in a server that has been running; False: every run starts from the
     # estimator's prior. A static arm has nothing to fit: its runs start fresh.
     self.warm_start = warm_start
-    self.drafter_backlog = drafter_backlog  # EngineConfig.drafter_backlog (lazy catch-up)
-    self.num_buckets = num_buckets  # EngineConfig.num_buckets (None: the engine's default)
+    self.drafter_backlog = drafter_backlog  # Programs.drafter_backlog (lazy catch-up)
+    self.num_buckets = num_buckets  # Programs.num_buckets (None: the engine's default)
     self._states: dict = {}
     self.temperature, self.top_p, self.max_len = temperature, top_p, max_len
     self.refit_interval, self.steps_per_chunk, self.seed = refit_interval, steps_per_chunk, seed
@@ -277,14 +279,15 @@ class Runner:
     self.wall_cost = wall_cost
 
   def _config(self, slots: int, arm: ArmSpec) -> E.EngineConfig:
-    return E.EngineConfig(num_slots=slots, max_draft=arm.k, max_len=self.max_len,
-                          mode=arm.mode, temperature=self.temperature, top_p=self.top_p,
-                          eos_id=-1, steps_per_chunk=self.steps_per_chunk,
-                          refit_interval=self.refit_interval,
-                          drafter_backlog=(None if self.drafter_backlog is None
-                                           else max(self.drafter_backlog, arm.k + 1)),
+    backlog = None if self.drafter_backlog is None else max(self.drafter_backlog, arm.k + 1)
+    programs = E.Programs(steps_per_chunk=self.steps_per_chunk, drafter_backlog=backlog,
                           **({} if self.num_buckets is None
                              else {"num_buckets": self.num_buckets}))
+    return E.EngineConfig(num_slots=slots, max_draft=arm.k, max_len=self.max_len,
+                          mode=arm.mode, eos_id=-1,
+                          sampling=Sampling(temperature=self.temperature, top_p=self.top_p),
+                          estimator=EstimatorConfig(refit_interval=self.refit_interval),
+                          programs=programs)
 
   def tables(self, pair, slots: int, arm: ArmSpec) -> costs.CostTables | None:
     """The modelled clock's tables for this engine (None on the wall clock)."""
@@ -583,9 +586,9 @@ def compare(*, drafters: str | Sequence[str] = "block", workloads: str | Sequenc
       and each of its runs continues from the state its previous run ended in (the
       estimator starts fitted, as in a running server); static arms have nothing to fit
       and warm up with a short compile run only. False: every run starts from the prior.
-    drafter_backlog: `EngineConfig.drafter_backlog` of every engine (lazy catch-up; None:
+    drafter_backlog: `Programs.drafter_backlog` of every engine (lazy catch-up; None:
       the default 4 (K + 1); raised to K + 1 where smaller, so 1 means the eager catch-up).
-    num_buckets: `EngineConfig.num_buckets` of every engine (None: the engine's default).
+    num_buckets: `Programs.num_buckets` of every engine (None: the engine's default).
     pairs: `{drafter kind: ModelPair}` to use instead of loading `models` (tests).
     prompts: `prompts(pair, workload, num=, length=, seed=)` instead of the held-out
       workload prompts (tests).

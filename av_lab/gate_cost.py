@@ -29,6 +29,7 @@ import numpy as np
 
 from av_jax import models as M
 from av_jax.engine import batching, core
+from av_jax.engine.config import EngineConfig, Programs
 from av_jax.models.config import ModelsConfig
 from av_jax.selection import make_cost_model
 
@@ -97,7 +98,7 @@ def measure_gate_cost(models: ModelsConfig, *, kinds: Sequence[str] = ("draft_lm
     max_draft: K.
     max_len: cache positions per slot (>= prompt_len + steps + K + 3).
     prompt_len: tokens prefilled per slot (the context the steps attend to).
-    backlog: the AV engine's `drafter_backlog` (None: its default, 4 (K + 1); K + 1:
+    backlog: the AV engine's `programs.drafter_backlog` (None: its default, 4 (K + 1); K + 1:
       the eager catch-up).
     steps: decode steps per timed chunk; None: the AV engine's `pending_width` (one
       absorb of a full backlog per slot per chunk for AR drafters; K + 1 for parallel).
@@ -106,7 +107,7 @@ def measure_gate_cost(models: ModelsConfig, *, kinds: Sequence[str] = ("draft_lm
     One dict per (kind, B): `median_ratio` (AV's quiet program, `core.run_mode`, what a
     run runs while no slot drafts / target-only, over the interleaved triples),
     `min_ratio`, `max_ratio`, `one_program_ratio` (median; AV's whole step program,
-    `core.run_chunk`, what `quiet_program=False` runs), `target_only_ms`, `gated_ms` and
+    `core.run_chunk`, what `programs.quiet_program=False` runs), `target_only_ms`, `gated_ms` and
     `one_program_ms` (median per step), `drafted` (steps that drafted in a timed chunk: 0
     when the gate held; the quiet program cannot draft), `steps`, `backlog` (the AV
     engine's `pending_width`) and `goal`.
@@ -123,9 +124,9 @@ def measure_gate_cost(models: ModelsConfig, *, kinds: Sequence[str] = ("draft_lm
     params = _params(models, kind)
     drafter = M.make_drafter(kind, models)
     for B in concurrency:
-      common = dict(num_slots=B, max_draft=max_draft, max_len=max_len,
-                    steps_per_chunk=max_draft + 1, drafter_backlog=backlog)
-      engines = [core.make_engine(core.EngineConfig(mode=mode, **common), models, drafter)
+      programs = Programs(steps_per_chunk=max_draft + 1, drafter_backlog=backlog)
+      common = dict(num_slots=B, max_draft=max_draft, max_len=max_len, programs=programs)
+      engines = [core.make_engine(EngineConfig(mode=mode, **common), models, drafter)
                  for mode in ("target_only", "av")]
       if not engines[1].decider.gated:
         raise ValueError(f"kinds: {kind!r} cannot skip drafting (no `absorb`)")

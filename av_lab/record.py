@@ -29,6 +29,7 @@ import numpy as np
 
 from av_jax import engine as E
 from av_jax import models as M
+from av_jax.sampling import Sampling
 from av_lab.compare import workload_prompts
 
 STREAMS_DIR = os.path.join(os.path.dirname(__file__), "streams")
@@ -106,8 +107,8 @@ def record(drafter: str, workload: str, *, num_requests: int = 48, slots: int = 
   pair = M.load(models, drafter=drafter)
   config = E.EngineConfig(num_slots=slots, max_draft=max_draft,
                           max_len=prompt_len + max_new + max_draft + 8, mode="fixed",
-                          temperature=temperature, top_p=top_p, eos_id=-1,
-                          steps_per_chunk=1, record_features=True)
+                          eos_id=-1, sampling=Sampling(temperature=temperature, top_p=top_p),
+                          programs=E.Programs(steps_per_chunk=1, record_features=True))
   engine = E.make_engine(config, pair.cfg, pair.drafter)
   params = E.Params(target=pair.target_params, drafter=pair.drafter_params)
   prompts = workload_prompts(pair, workload, num=num_requests, length=prompt_len, seed=seed)

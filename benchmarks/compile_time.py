@@ -24,13 +24,12 @@ from av_jax.engine import batching
 
 
 def compile_seconds(models, drafter_kind: str, mode: str, *, slots: int, max_draft: int,
-                    max_len: int, **settings) -> dict:
-  """{program name: seconds to lower and compile} for one engine (`settings`: other
-  `EngineConfig` fields)."""
+                    max_len: int, programs: E.Programs = E.Programs()) -> dict:
+  """{program name: seconds to lower and compile} for one engine."""
   drafter = M.make_drafter(drafter_kind, models)
   engine = E.make_engine(E.EngineConfig(num_slots=slots, max_draft=max_draft,
-                                        max_len=max_len, mode=mode, **settings), models,
-                         drafter)
+                                        max_len=max_len, mode=mode, programs=programs),
+                         models, drafter)
   params = E.Params(target=M.init_params(models.target, jax.random.PRNGKey(0)),
                     drafter=M.init_drafter_params(drafter_kind, models, jax.random.PRNGKey(1)))
   prefill, _, init = batching.compiled(engine)
@@ -73,7 +72,7 @@ def main() -> None:
   for mode in ("fixed", "av"):
     secs = compile_seconds(models, args.drafter, mode, slots=args.slots,
                            max_draft=args.max_draft, max_len=args.max_len,
-                           **(extra if mode == "av" else {}))
+                           programs=E.Programs(**(extra if mode == "av" else {})))
     totals[mode] = sum(secs.values())
     parts = ", ".join(f"{k} {v:.1f} s" for k, v in secs.items())
     print(f"{mode:6s}: {totals[mode]:.1f} s ({parts})")

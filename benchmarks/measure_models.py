@@ -31,6 +31,7 @@ from av_jax import data
 from av_jax import models
 from av_jax import engine as engine_lib
 from av_jax.engine import profile as profile_lib
+from av_jax.engine.config import Programs
 from av_jax.features import logit_qmax
 from av_jax.models import compute, evaluate, pipeline
 
@@ -95,7 +96,7 @@ def verify_curve(pair, *, num_slots: int, sizes, repeats: int = 5) -> dict:
   """Profiled verify cost (the engine's own program) at packed sizes `sizes`, one run."""
   K = pair.cfg.measure.K
   config = engine_lib.EngineConfig(num_slots=num_slots, max_draft=K, max_len=VERIFY_CONTEXT,
-                                   buckets=tuple(sizes), mode="av")
+                                   mode="av", programs=Programs(buckets=tuple(sizes)))
   eng = engine_lib.make_engine(config, pair.cfg, pair.drafter)
   params = engine_lib.Params(pair.target_params, pair.drafter_params)
   prof = profile_lib.measure(eng, params, repeats=repeats)

@@ -43,8 +43,14 @@ def busy(engine, params):
                         max_new=jnp.full((B,), L, jnp.int32))
 
 def mk(mode):
-  cfg = core.EngineConfig(mode=mode, num_slots=B, max_draft=K, max_len=L, steps_per_chunk=S,
-                          temperature=1.0, top_p=0.95)
+  shape = dict(mode=mode, num_slots=B, max_draft=K, max_len=L)
+  try:
+    from av_jax.engine.config import Programs
+    from av_jax.sampling import Sampling
+    cfg = core.EngineConfig(**shape, sampling=Sampling(temperature=1.0, top_p=0.95),
+                            programs=Programs(steps_per_chunk=S))
+  except ImportError:  # a tree without `av_jax.engine.config` takes these settings flat
+    cfg = core.EngineConfig(**shape, steps_per_chunk=S, temperature=1.0, top_p=0.95)
   return core.make_engine(cfg, models, drafter)
 
 pair = M.load(args["config"], drafter=args["drafter"])

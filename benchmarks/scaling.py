@@ -45,7 +45,7 @@ def parse_args(argv=None):
   p.add_argument("--warmup", type=int, default=2, help="untimed steps per size")
   p.add_argument("--models", default="default", help="model config of the census")
   p.add_argument("--verify-groups", default="auto",
-                 help="census: EngineConfig.verify_groups, an int or 'auto' (the 'data' size)")
+                 help="census: Programs.verify_groups, an int or 'auto' (the 'data' size)")
   p.add_argument("--out", default=None, help="JSON results path")
   args = p.parse_args(argv)
   for name in ("B", "K", "V"):
@@ -212,12 +212,15 @@ def census(models_name: str, *, data: int, model: int, num_slots: int, max_draft
   from av_jax import engine as E
   from av_jax import models as M
   from av_jax.engine import batching, sharding
+  from av_jax.sampling import Sampling
   cfg = M.load_config(models_name)
   drafter_fns = M.make_drafter(drafter, cfg)
   engine = E.make_engine(E.EngineConfig(num_slots=num_slots, max_draft=max_draft,
-                                        max_len=max_len, mode="av", temperature=1.0,
-                                        steps_per_chunk=1, num_buckets=num_buckets,
-                                        verify_groups=verify_groups),
+                                        max_len=max_len, mode="av",
+                                        sampling=Sampling(temperature=1.0),
+                                        programs=E.Programs(steps_per_chunk=1,
+                                                            num_buckets=num_buckets,
+                                                            verify_groups=verify_groups)),
                          cfg, drafter_fns)
   params = jax.eval_shape(lambda: E.Params(
       target=M.init_params(cfg.target, jax.random.key(0)),

@@ -96,12 +96,14 @@ def soak(engine, params, cost, *, workloads, num_steps: int, segment: int, promp
   """Runs `num_steps` decode steps with continuous batching; one row per segment.
 
   Every `segment` steps the queue switches to the next of `workloads`; after every chunk
-  of `engine.config.steps_per_chunk` steps the free slots are refilled from the queue.
+  of `engine.config.programs.steps_per_chunk` steps the free slots are refilled from the
+  queue.
   """
   from av_jax.engine import batching
   cfg = engine.config
-  if segment % cfg.steps_per_chunk or num_steps % segment:
-    raise ValueError(f"segment: expected a multiple of steps_per_chunk={cfg.steps_per_chunk} "
+  S = cfg.programs.steps_per_chunk
+  if segment % S or num_steps % segment:
+    raise ValueError(f"segment: expected a multiple of steps_per_chunk={S} "
                      f"dividing steps={num_steps}, got {segment}")
   prefill, chunk, init = batching.compiled(engine)
   state = init(params, jax.random.PRNGKey(seed), cost)
@@ -112,7 +114,7 @@ def soak(engine, params, cost, *, workloads, num_steps: int, segment: int, promp
     infos, requests, finite = [], 0, True
     lo, hi = np.full(cfg.max_draft + 1, np.inf), np.full(cfg.max_draft + 1, -np.inf)
     start = time.perf_counter()
-    for _ in range(segment // cfg.steps_per_chunk):
+    for _ in range(segment // S):
       active = np.asarray(state.active)
       for slot in np.flatnonzero(~active):
         state = prefill(params, state, queue.pop().astype(np.int32), np.int32(prompt_len),
@@ -172,13 +174,16 @@ def main(argv=None) -> None:
   from av_jax import engine as E
   from av_jax import models as M
   from av_jax.engine import profile as prof
+  from av_jax.estimator import EstimatorConfig
+  from av_jax.sampling import Sampling
   start = time.perf_counter()
   pair = M.load(args.models, drafter=args.drafter)
   config = E.EngineConfig(num_slots=args.slots, max_draft=args.k,
                           max_len=args.prompt_len + args.max_new + args.k + 8, mode="av",
-                          temperature=args.temperature, top_p=args.top_p, eos_id=-1,
-                          steps_per_chunk=args.steps_per_chunk,
-                          refit_interval=args.refit_interval)
+                          eos_id=-1,
+                          sampling=Sampling(temperature=args.temperature, top_p=args.top_p),
+                          estimator=EstimatorConfig(refit_interval=args.refit_interval),
+                          programs=E.Programs(steps_per_chunk=args.steps_per_chunk))
   engine = E.make_engine(config, pair.cfg, pair.drafter)
   params = E.Params(target=pair.target_params, drafter=pair.drafter_params)
   cost, profile = prof.profile_costs(engine, params)

@@ -36,6 +36,8 @@ import numpy as np
 
 from av_jax import models as M
 from av_jax.engine import batching, core
+from av_jax.engine.config import Programs
+from av_jax.sampling import Sampling
 from av_jax.selection import make_cost_model
 
 _INSTR = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (\S+) (\w[\w-]*)\(")
@@ -128,8 +130,8 @@ def profile(models, *, drafter: str, concurrency: int, max_draft: int = 8, max_l
   arms = {}
   for mode in ("target_only", "av"):
     config = core.EngineConfig(mode=mode, num_slots=concurrency, max_draft=max_draft,
-                               max_len=max_len, steps_per_chunk=steps, temperature=1.0,
-                               top_p=0.95)
+                               max_len=max_len, sampling=Sampling(temperature=1.0, top_p=0.95),
+                               programs=Programs(steps_per_chunk=steps))
     engine = core.make_engine(config, models, kind)
     # The engine's default (threefry) key, as runs use.
     state = _busy_state(engine, params, prompt_len=prompt_len, key=jax.random.PRNGKey(0))

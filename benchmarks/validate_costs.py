@@ -32,6 +32,7 @@ from av_jax import costs
 from av_jax import engine as E
 from av_jax import models as M
 from av_jax.engine import profile as prof
+from av_jax.sampling import Sampling
 
 # The ~16M-parameter target announced for the next shipped `default` (issue 13 brief).
 NEXT_TARGET = dict(d_model=384, num_layers=8, num_heads=6, head_dim=64, mlp_dim=1024,
@@ -70,7 +71,7 @@ def validate(name: str, args) -> dict:
   params = E.Params(target=M.init_params(cfg.target, jax.random.PRNGKey(0)),
                     drafter=M.init_drafter_params(args.drafter, cfg, jax.random.PRNGKey(1)))
   config = E.EngineConfig(num_slots=args.slots, max_draft=args.k, max_len=args.max_len,
-                          mode="av", top_p=args.top_p)
+                          mode="av", sampling=Sampling(top_p=args.top_p))
   engine = E.make_engine(config, cfg, drafter)
   shapes = costs.shipped_shapes(cfg)
   profiled, modelled, specs, loads = [], [], [], []

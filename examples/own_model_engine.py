@@ -33,6 +33,7 @@ from av_jax.engine import profile
 from av_jax.engine.protocols import Target, TargetOutput
 from av_jax.models import drafters
 from av_jax.models.sampling import sample_with_log_probs
+from av_jax.sampling import Sampling
 
 import own_model_loop as loop  # the sibling example's models (run from examples/)
 
@@ -141,7 +142,7 @@ def main():
   cfg = loop.Config()
   target, drafter = loop.make_models(cfg)
   config = E.EngineConfig(num_slots=cfg.num_slots, max_draft=cfg.max_draft, max_len=64,
-                          mode="av", temperature=0.0 if args.greedy else 1.0)
+                          mode="av", sampling=Sampling(temperature=0.0 if args.greedy else 1.0))
   engine, params = make_engine(target, drafter, cfg, config)
   cost, table = profile.profile_costs(engine, params, cache_dir="")
   print(profile.format_profile(table))

@@ -34,6 +34,8 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from av_jax import engine as E  # noqa: E402
+from av_jax.estimator import EstimatorConfig  # noqa: E402
+from av_jax.sampling import Sampling  # noqa: E402
 from tests import _engine_fixtures as fx  # noqa: E402
 
 PROMPTS = [[1, 2, 3], [4], list(range(5, 16)), [7] * 6, [3, 9], [2] * 11, [8, 1, 8],
@@ -45,8 +47,10 @@ SEED = 3
 def make_engine():
   cfg, drafter, params = fx.pair("block")
   engine = E.make_engine(E.EngineConfig(num_slots=8, max_draft=3, max_len=32, mode="av",
-                                        temperature=1.0, steps_per_chunk=4,
-                                        refit_interval=2, num_buckets=2), cfg, drafter)
+                                        sampling=Sampling(temperature=1.0),
+                                        estimator=EstimatorConfig(refit_interval=2),
+                                        programs=E.Programs(steps_per_chunk=4, num_buckets=2)),
+                         cfg, drafter)
   return engine, params
 
 

@@ -14,6 +14,8 @@ import numpy as np  # noqa: E402
 
 from av_jax import engine as E  # noqa: E402
 from av_jax.engine import sharding  # noqa: E402
+from av_jax.estimator import EstimatorConfig  # noqa: E402
+from av_jax.sampling import Sampling  # noqa: E402
 from tests import _engine_fixtures as fx  # noqa: E402
 
 
@@ -26,8 +28,9 @@ def main() -> None:
   for kind, temperature, explicit in (("eagle", 1.0, True),):
     cfg, drafter, params = fx.pair(kind)
     engine = E.make_engine(E.EngineConfig(num_slots=4, max_draft=3, max_len=48, mode="av",
-                                          temperature=temperature, steps_per_chunk=4,
-                                          refit_interval=3), cfg, drafter)
+                                          sampling=Sampling(temperature=temperature),
+                                          estimator=EstimatorConfig(refit_interval=3),
+                                          programs=E.Programs(steps_per_chunk=4)), cfg, drafter)
     key = fx.key(3)
     single = E.generate(engine, params, prompts, max_new_tokens=12, key=key)
     mesh = sharding.make_mesh(4, 2, explicit=explicit)

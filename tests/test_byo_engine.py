@@ -18,6 +18,7 @@ from av_jax import engine as E
 from av_jax.engine import profile
 from av_jax.engine import protocols
 from av_jax.models import drafters
+from av_jax.sampling import Sampling
 from tests import _engine_fixtures as fx
 
 EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
@@ -44,10 +45,10 @@ def models(example):
   return cfg, example.loop.make_models(cfg)
 
 
-def _config(cfg, mode, **settings):
+def _config(cfg, mode):
   return E.EngineConfig(num_slots=cfg.num_slots, max_draft=cfg.max_draft, max_len=40,
-                        mode=mode, temperature=0.0, steps_per_chunk=4, num_buckets=3,
-                        **settings)
+                        mode=mode, sampling=Sampling(temperature=0.0),
+                        programs=E.Programs(steps_per_chunk=4, num_buckets=3))
 
 
 @pytest.mark.parametrize("mode", ["av", "target_only"])

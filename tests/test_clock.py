@@ -20,7 +20,8 @@ def _tables(kind: str, buckets=None):
 
 def _run(kind: str, mode: str, tables):
   cfg, drafter, params = fx.pair(kind)
-  config = E.EngineConfig(num_slots=B, max_draft=K, max_len=32, mode=mode, steps_per_chunk=4)
+  config = E.EngineConfig(num_slots=B, max_draft=K, max_len=32, mode=mode,
+                          programs=E.Programs(steps_per_chunk=4))
   engine = E.make_engine(config, cfg, drafter)
   rng = np.random.default_rng(0)
   prompts = rng.integers(1, fx.VOCAB, (6, 5)).tolist()
@@ -52,7 +53,8 @@ def _expected_ms(infos, tables, engine, verify):
                                        ("block", "target_only")])
 def test_clock_charges_exactly_the_table_entries(kind, mode):
   cfg, drafter, _ = fx.pair(kind)
-  config = E.EngineConfig(num_slots=B, max_draft=K, max_len=32, mode=mode, steps_per_chunk=4)
+  config = E.EngineConfig(num_slots=B, max_draft=K, max_len=32, mode=mode,
+                          programs=E.Programs(steps_per_chunk=4))
   buckets = E.make_engine(config, cfg, drafter).buckets
   tables = _tables(kind, buckets)
   engine, result = _run(kind, mode, tables)

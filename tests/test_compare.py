@@ -155,14 +155,14 @@ def test_num_buckets_reaches_every_engine_and_the_cli_parses_it():
   from av_lab import cli
   from av_jax import engine as E
   arm_av, arm_fixed = C.parse_arms("av,fixed:4", max_draft=8)
-  for n, want in ((None, E.EngineConfig().num_buckets), (6, 6)):
+  for n, want in ((None, E.Programs().num_buckets), (6, 6)):
     runner = C.Runner(temperature=1.0, top_p=1.0, max_len=24, refit_interval=4,
                       num_buckets=n, log=lambda *_: None)
     config = runner._config(1, arm_av)
-    assert config.num_buckets == want
+    assert config.programs.num_buckets == want
     assert runner._config(1, arm_fixed).bucket_sizes() == (5,)
-  assert E.EngineConfig(num_slots=1, max_draft=8, num_buckets=6).bucket_sizes() == (
-      1, 2, 4, 6, 9)
+  assert E.EngineConfig(num_slots=1, max_draft=8, programs=E.Programs(
+      num_buckets=6)).bucket_sizes() == (1, 2, 4, 6, 9)
   parser = argparse.ArgumentParser()
   cli._compare_args(parser)
   assert parser.parse_args(["--num-buckets", "6"]).num_buckets == 6

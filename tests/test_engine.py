@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from av_jax import engine as E
+from av_jax.sampling import Sampling
 from av_jax.engine import batching as G
 from tests import _engine_fixtures as fx
 
@@ -15,8 +16,8 @@ MAX_NEW = [9, 14, 6, 11]
 
 def _engine(kind, mode, copy_target=False, **overrides):
   cfg, drafter, params = fx.pair(kind, copy_target)
-  settings = dict(num_slots=3, max_draft=4, max_len=64, mode=mode, temperature=0.0,
-                  steps_per_chunk=3)
+  settings = dict(num_slots=3, max_draft=4, max_len=64, mode=mode,
+                  sampling=Sampling(temperature=0.0), programs=E.Programs(steps_per_chunk=3))
   settings.update(overrides)
   return E.make_engine(E.EngineConfig(**settings), cfg, drafter), params
 
@@ -66,7 +67,7 @@ def test_drafting_with_the_target_itself_emits_k_plus_one_per_step():
 
 
 def test_no_recompile_after_warmup_and_inert_slots():
-  engine, params = _engine("block", "av", num_buckets=3)
+  engine, params = _engine("block", "av", programs=E.Programs(steps_per_chunk=3, num_buckets=3))
   prefill, chunk, init = G.compiled(engine)
   E.generate(engine, params, PROMPTS, max_new_tokens=MAX_NEW, key=fx.key(1))
   programs = G.decode_programs(engine)  # the quiet and the drafting program
@@ -90,7 +91,7 @@ def test_no_recompile_after_warmup_and_inert_slots():
 
 
 def test_same_seed_same_tokens_when_sampling():
-  engine, params = _engine("eagle", "av", temperature=1.0)
+  engine, params = _engine("eagle", "av", sampling=Sampling(temperature=1.0))
   run = lambda seed: [c.tokens for c in E.generate(
       engine, params, PROMPTS, max_new_tokens=MAX_NEW, key=fx.key(seed)).completions]
   first = run(5)
@@ -117,17 +118,20 @@ def test_engine_config_errors():
   with pytest.raises(ValueError, match="av_head"):
     E.make_engine(E.EngineConfig(mode="av_head"), cfg, drafter)
   with pytest.raises(ValueError, match="policy"):
-    E.make_engine(E.EngineConfig(mode="av", policy="current", temperature=1.0), cfg, drafter)
+    E.make_engine(E.EngineConfig(mode="av", policy="current",
+                                 sampling=Sampling(temperature=1.0)), cfg, drafter)
   # Greedy drafting makes the current-step budget exact even for an autoregressive drafter.
-  assert E.make_engine(E.EngineConfig(temperature=0.0), cfg, drafter).policy == "current"
-  assert E.make_engine(E.EngineConfig(temperature=1.0), cfg, drafter).policy == "lagged"
+  policy = lambda t: E.make_engine(E.EngineConfig(sampling=Sampling(temperature=t)), cfg,
+                                   drafter).policy
+  assert policy(0.0) == "current" and policy(1.0) == "lagged"
 
 
 def test_bucket_sizes():
-  assert E.EngineConfig(num_slots=8, max_draft=8, num_buckets=4).bucket_sizes() == (
-      8, 17, 35, 72)
+  assert E.EngineConfig(num_slots=8, max_draft=8,
+                        programs=E.Programs(num_buckets=4)).bucket_sizes() == (8, 17, 35, 72)
   assert E.EngineConfig(num_slots=8, max_draft=8, mode="fixed").bucket_sizes() == (72,)
-  assert E.EngineConfig(num_slots=2, max_draft=2, buckets=(3, 4)).bucket_sizes() == (3, 4, 6)
+  assert E.EngineConfig(num_slots=2, max_draft=2,
+                        programs=E.Programs(buckets=(3, 4))).bucket_sizes() == (3, 4, 6)
 
 
 def test_unprofitable_drafting_is_skipped_and_output_unchanged():

@@ -12,6 +12,8 @@ from av_jax import engine as E
 from av_jax.engine import batching
 from av_jax.engine import checkpoint
 from av_jax.engine import core
+from av_jax.estimator import EstimatorConfig
+from av_jax.sampling import Sampling
 from tests import _engine_fixtures as fx
 
 PROMPTS = [[1, 2, 3], [4], list(range(5, 22)), [7] * 6, [2, 9], [3] * 4, [11, 12]]
@@ -20,8 +22,10 @@ MAX_NEW = [12, 20, 6, 15, 9, 18, 7]
 
 def _engine(**overrides):
   cfg, drafter, params = fx.pair("eagle")  # autoregressive: the lagged policy's state matters
-  settings = dict(num_slots=3, max_draft=3, max_len=64, mode="av", temperature=1.0,
-                  steps_per_chunk=2, refit_interval=3)
+  settings = dict(num_slots=3, max_draft=3, max_len=64, mode="av",
+                  sampling=Sampling(temperature=1.0),
+                  estimator=EstimatorConfig(refit_interval=3),
+                  programs=E.Programs(steps_per_chunk=2))
   settings.update(overrides)
   return E.make_engine(E.EngineConfig(**settings), cfg, drafter), params
 
@@ -42,7 +46,7 @@ def test_stopped_and_resumed_run_equals_uninterrupted(tmp_path):
   assert int(full.state.estimator.num_refits) >= 2
   # The verify layout is not part of the identity: a run saved by an engine with one
   # verify group per slot (as on a 3-way 'data' mesh) resumes here, and vice versa.
-  grouped, _ = _engine(verify_groups=3)
+  grouped, _ = _engine(programs=E.Programs(steps_per_chunk=2, verify_groups=3))
   again = E.generate(grouped, params, PROMPTS, max_new_tokens=MAX_NEW, key=fx.key(4),
                      resume_from=path)
   assert [c.tokens for c in again.completions] == [c.tokens for c in full.completions]
@@ -61,6 +65,13 @@ def test_mismatched_or_damaged_checkpoints_are_refused(tmp_path):
   other, _ = _engine(max_draft=4)
   with pytest.raises(ValueError, match="max_draft"):
     checkpoint.restore(path, engine=other, like=running)
+  # A nested setting that differs is named, with both values.
+  refit, _ = _engine(estimator=EstimatorConfig(refit_interval=4))
+  with pytest.raises(ValueError, match=r"estimator\.refit_interval: 3 vs 4"):
+    checkpoint.restore(path, engine=refit, like=running)
+  buckets, _ = _engine(programs=E.Programs(steps_per_chunk=2, num_buckets=2))
+  with pytest.raises(ValueError, match=r"programs\.num_buckets: 4 vs 2"):
+    checkpoint.restore(path, engine=buckets, like=running)
   block = E.make_engine(engine.config, fx.tiny_config(), fx.pair("block")[1])
   with pytest.raises(ValueError, match="drafter"):
     checkpoint.restore(path, engine=block, like=running)

@@ -22,6 +22,7 @@ import pytest
 import av_jax
 from av_jax import engine as E
 from av_jax.models.drafters import Drafter
+from av_jax.sampling import Sampling
 from tests import _engine_fixtures as fx
 
 AR_KINDS = ("eagle", "draft_lm")
@@ -38,7 +39,8 @@ def test_greedy_identity_with_target_only(mode):
   for kind in AR_KINDS:
     cfg, drafter, params = fx.pair(kind)
     engine = E.make_engine(E.EngineConfig(num_slots=3, max_draft=3, max_len=40, mode=mode,
-                                          temperature=0.0, num_buckets=1, steps_per_chunk=4),
+                                          sampling=Sampling(temperature=0.0),
+                                          programs=E.Programs(num_buckets=1, steps_per_chunk=4)),
                            cfg, drafter)
     assert engine.decider.stop == {"av": "policy"}.get(mode, "confidence")
     result = E.generate(engine, params, prompts, max_new_tokens=max_new, key=fx.key(0),
@@ -83,8 +85,9 @@ def test_nonfinite_depth_2_still_verifies_position_1():
   cfg = fx.pair("draft_lm", copy_target=True)[0]
   target = fx.pair("draft_lm", copy_target=True)[2].target
   B, K = 2, 3
-  engine = E.make_engine(E.EngineConfig(num_slots=B, max_draft=K, max_len=32,
-                                        mode="fixed", temperature=1.0, num_buckets=1),
+  engine = E.make_engine(E.EngineConfig(num_slots=B, max_draft=K, max_len=32, mode="fixed",
+                                        sampling=Sampling(temperature=1.0),
+                                        programs=E.Programs(num_buckets=1)),
                          cfg, _nan_at_depth_2())
   # Fixed verification: every drafted position in both runs.
   cost = av_jax.CostModel(draft_ms=jnp.ones((B + 1,), jnp.float32),
@@ -126,7 +129,8 @@ def test_drafts_carry_the_features_the_stop_computed(kind):
   cfg, drafter, params = fx.pair(kind)
   B, K = 3, 4
   engine = E.make_engine(E.EngineConfig(num_slots=B, max_draft=K, max_len=40, mode="av",
-                                        temperature=1.0, num_buckets=1), cfg, drafter)
+                                        sampling=Sampling(temperature=1.0),
+                                        programs=E.Programs(num_buckets=1)), cfg, drafter)
   # Dear passes and verification: the plan ends drafting early (positions not drafted).
   cost = av_jax.make_cost_model(np.full(B + 1, 5.0), 1.0 + 0.5 * np.arange(B * (K + 1) + 1))
   state = E.init_state(engine, params, fx.key(5), cost)
@@ -169,7 +173,8 @@ def test_idle_slots_draft_nothing_and_change_nothing(mode):
   cfg, drafter, params = fx.pair("eagle")
   B, K = 3, 3
   engine = E.make_engine(E.EngineConfig(num_slots=B, max_draft=K, max_len=32, mode=mode,
-                                        temperature=1.0, num_buckets=1), cfg, drafter)
+                                        sampling=Sampling(temperature=1.0),
+                                        programs=E.Programs(num_buckets=1)), cfg, drafter)
   state = E.init_state(engine, params, fx.key(4))
   padded = jnp.zeros((8,), jnp.int32).at[:3].set(jnp.asarray([1, 2, 3]))
   state = E.prefill(engine, params, state, prompt=padded, prompt_len=jnp.int32(3),

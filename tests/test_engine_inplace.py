@@ -19,6 +19,7 @@ import pytest
 
 from av_jax import models as M
 from av_jax.engine import batching, core, protocols
+from av_jax.engine.config import Programs
 from av_jax.models import transformer as T
 from av_jax.selection import make_cost_model
 
@@ -141,8 +142,8 @@ def _loop_copies(engine, params, B, max_len, field=lambda state: state.target_ca
 def test_no_step_copies_the_target_cache(kind, mode):
   cfg, drafter, params = pair(kind)
   B, max_len = 4, 64
-  engine = core.make_engine(core.EngineConfig(mode=mode, num_slots=B, max_draft=4,
-                                              max_len=max_len, steps_per_chunk=3),
+  engine = core.make_engine(core.EngineConfig(mode=mode, num_slots=B, max_draft=4, max_len=max_len,
+                                              programs=Programs(steps_per_chunk=3)),
                             cfg, drafter)
   assert _loop_copies(engine, params, B, max_len) == 0
 
@@ -153,8 +154,8 @@ def test_the_copy_check_catches_a_target_that_writes_inside_the_switch():
   cfg, drafter, params = pair("block")
   B, max_len = 4, 64
   target = protocols.transformer_target(cfg)._replace(verify_read=None, write=None)
-  engine = core.make_engine(core.EngineConfig(mode="av", num_slots=B, max_draft=4,
-                                              max_len=max_len, steps_per_chunk=3),
+  engine = core.make_engine(core.EngineConfig(mode="av", num_slots=B, max_draft=4, max_len=max_len,
+                                              programs=Programs(steps_per_chunk=3)),
                             target=target, drafter=drafter)
   assert _loop_copies(engine, params, B, max_len) > 0
 
@@ -177,9 +178,10 @@ def test_a_gated_off_step_copies_no_drafter_cache(kind):
   cfg, drafter, params = pair(kind)
   B, max_len = 4, 64
   count = lambda backlog: _loop_copies(
-      core.make_engine(core.EngineConfig(mode="av", num_slots=B, max_draft=4,
-                                         max_len=max_len, steps_per_chunk=3,
-                                         drafter_backlog=backlog), cfg, drafter),
+      core.make_engine(core.EngineConfig(mode="av", num_slots=B, max_draft=4, max_len=max_len,
+                                         programs=Programs(steps_per_chunk=3,
+                                                           drafter_backlog=backlog)),
+                       cfg, drafter),
       params, B, max_len, field=lambda state: state.drafter.cache.k)
   assert count(None) <= 2
   assert count(5) > 4

@@ -6,6 +6,8 @@ import numpy as np
 import pytest
 
 from av_jax import engine as E
+from av_jax.estimator import EstimatorConfig
+from av_jax.sampling import Sampling
 from tests import _engine_fixtures as fx
 
 PROMPTS = [[1, 2, 3], [4, 5], [6], [7, 8]]
@@ -19,7 +21,8 @@ def _run(engine, params, learn):
 def test_requests_marked_not_to_learn_add_no_labels():
   cfg, drafter, params = fx.pair("block")
   engine = E.make_engine(E.EngineConfig(num_slots=2, max_draft=2, max_len=32, mode="av",
-                                        temperature=0.0, refit_interval=2), cfg, drafter)
+                                        sampling=Sampling(temperature=0.0),
+                                        estimator=EstimatorConfig(refit_interval=2)), cfg, drafter)
   everyone = _run(engine, params, True)
   nobody = _run(engine, params, False)
   # Verification labelled drafts in both runs, and greedy output is the target's either way.

@@ -23,7 +23,7 @@ def test_cost_model_from_profile_is_monotone_step_function():
 def test_profile_measures_every_bucket_and_caches(tmp_path):
   cfg, drafter, params = fx.pair("block")
   engine = E.make_engine(E.EngineConfig(num_slots=2, max_draft=2, max_len=32, mode="av",
-                                        num_buckets=2), cfg, drafter)
+                                        programs=E.Programs(num_buckets=2)), cfg, drafter)
   cost, profile = prof.profile_costs(engine, params, repeats=2, cache_dir=str(tmp_path))
   assert not profile["cached"] and profile["buckets"] == list(engine.buckets)
   assert all(ms > 0 for ms in profile["bucket_ms"]) and profile["draft_ms"] > 0
@@ -49,7 +49,8 @@ def test_whole_steps_price_the_tables_at_what_steps_cost():
   all B K), and the tables then price each at its measured cost."""
   cfg, drafter, params = fx.pair("block")
   engine = E.make_engine(E.EngineConfig(num_slots=2, max_draft=2, max_len=32, mode="av",
-                                        buckets=(2, 4, 6), steps_per_chunk=2), cfg, drafter)
+                                        programs=E.Programs(buckets=(2, 4, 6), steps_per_chunk=2)),
+                         cfg, drafter)
   profile = prof.measure(engine, params, repeats=2)
   steps = profile["step_ms"]
   assert steps["skip_rows"] == 0 and steps["full_verified"] == 2 * 2
@@ -140,7 +141,7 @@ def test_an_autoregressive_profile_times_depth_one():
   cfg, drafter, params = fx.pair("eagle")
   B, K = 2, 3
   engine = E.make_engine(E.EngineConfig(num_slots=B, max_draft=K, max_len=48, mode="av",
-                                        steps_per_chunk=4), cfg, drafter)
+                                        programs=E.Programs(steps_per_chunk=4)), cfg, drafter)
   profile = prof.measure(engine, params, repeats=1)
   assert len(profile["draft_first_ms"]) == len(profile["draft_buckets"])
   assert all(ms > 0 for ms in profile["draft_first_ms"])
@@ -150,7 +151,7 @@ def test_an_autoregressive_profile_times_depth_one():
   assert np.all(np.asarray(cost.draft_fixed_ms) <= np.asarray(cost.draft_ms))
   cfg, block, params = fx.pair("block")
   engine = E.make_engine(E.EngineConfig(num_slots=B, max_draft=K, max_len=48, mode="av",
-                                        steps_per_chunk=4), cfg, block)
+                                        programs=E.Programs(steps_per_chunk=4)), cfg, block)
   assert not E.core._stepwise(engine)  # what `measure` times the depth-1 programs under
 
 

@@ -13,7 +13,9 @@ import pytest
 from scipy import stats
 
 from av_jax import engine as E
+from av_jax.estimator import EstimatorConfig
 from av_jax.models import sampling_probs
+from av_jax.sampling import Sampling
 from tests import _engine_fixtures as fx
 
 PROMPT = [1, 2, 3]
@@ -62,8 +64,9 @@ def _chisquare_pvalue(samples, probs):
 def test_generated_tokens_follow_target_distribution(kind, mode, top_p):
   cfg, drafter, params = fx.pair(kind)
   engine = E.make_engine(E.EngineConfig(num_slots=64, max_draft=3, max_len=32, mode=mode,
-                                        temperature=1.0, top_p=top_p, steps_per_chunk=2,
-                                        refit_interval=4),
+                                        sampling=Sampling(temperature=1.0, top_p=top_p),
+                                        estimator=EstimatorConfig(refit_interval=4),
+                                        programs=E.Programs(steps_per_chunk=2)),
                          cfg, drafter)
   result = E.generate(engine, params, [PROMPT] * NUM_REQUESTS, max_new_tokens=3,
                       key=fx.key(11))
@@ -85,7 +88,9 @@ def test_skipping_unprofitable_drafts_keeps_the_target_distribution():
   cfg, drafter, params = fx.pair("block")
   B, K = 64, 3
   engine = E.make_engine(E.EngineConfig(num_slots=B, max_draft=K, max_len=32, mode="av",
-                                        temperature=1.0, steps_per_chunk=2, refit_interval=4),
+                                        sampling=Sampling(temperature=1.0),
+                                        estimator=EstimatorConfig(refit_interval=4),
+                                        programs=E.Programs(steps_per_chunk=2)),
                          cfg, drafter)
   # Drafting costs as much as a target step: it pays only with near-certain acceptance.
   cost = make_cost_model(np.full(B + 1, 1.0), 1.0 + 0.002 * np.arange(B * (K + 1) + 1))

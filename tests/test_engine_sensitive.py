@@ -28,8 +28,10 @@ from scipy import stats
 from av_jax import arms
 from av_jax import engine as E
 from av_jax.decision import make_decider
+from av_jax.estimator import EstimatorConfig
 from av_jax.planner import PlannerConfig
 from av_jax.models import sampling_probs
+from av_jax.sampling import Sampling
 from av_jax.selection import make_cost_model
 from tests import _engine_fixtures as fx
 from tests.test_engine_sampling import _chisquare_pvalue
@@ -48,9 +50,11 @@ def _engine(policy):
   cfg, drafter, params = fx.pair("draft_lm")
   # The budget rule (`av_jax.decision`, what `decision_step` runs) in the engine, drafting
   # every depth, so the budget alone decides what is verified.
-  config = E.EngineConfig(num_slots=1, max_draft=2, max_len=8, mode="av", temperature=1.0,
-                          policy=policy, steps_per_chunk=1, buckets=(3,),
-                          refit_interval=10**9, init_slope=SLOPE, init_intercept=INTERCEPT)
+  config = E.EngineConfig(num_slots=1, max_draft=2, max_len=8, mode="av", policy=policy,
+                          sampling=Sampling(temperature=1.0),
+                          estimator=EstimatorConfig(refit_interval=10**9, init_slope=SLOPE,
+                                                    init_intercept=INTERCEPT),
+                          programs=E.Programs(steps_per_chunk=1, buckets=(3,)))
   engine = E.make_engine(config, cfg, drafter)
   decider = make_decider(2, policy=engine.policy, estimator=config.estimator,
                          planner=PlannerConfig(explore_every=0))
@@ -138,9 +142,11 @@ def _priced_engine(*, current: bool):
   autoregressive drafter)."""
   from av_jax.decider import make_policy_decider
   cfg, drafter, params = fx.pair("draft_lm")
-  config = E.EngineConfig(num_slots=1, max_draft=2, max_len=8, mode="av", temperature=1.0,
-                          steps_per_chunk=1, buckets=(3,), refit_interval=10**9,
-                          init_slope=SLOPE, init_intercept=INTERCEPT)
+  config = E.EngineConfig(num_slots=1, max_draft=2, max_len=8, mode="av",
+                          sampling=Sampling(temperature=1.0),
+                          estimator=EstimatorConfig(refit_interval=10**9, init_slope=SLOPE,
+                                                    init_intercept=INTERCEPT),
+                          programs=E.Programs(steps_per_chunk=1, buckets=(3,)))
   engine = E.make_engine(config, cfg, drafter)
   assert engine.decider.planner.policy == "lagged"
   if current:

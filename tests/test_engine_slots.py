@@ -16,6 +16,7 @@ from av_jax.decision import Decider, make_decider
 from av_jax.engine import batching as G
 from av_jax.engine import core
 from av_jax.planner import PlannerConfig
+from av_jax.sampling import Sampling
 from av_jax.selection import make_cost_model
 from tests import _engine_fixtures as fx
 
@@ -30,8 +31,8 @@ def _cost(B, K, draft_ms):
 @functools.lru_cache(maxsize=None)
 def _engine(kind, copy_target=False, **overrides):
   cfg, drafter, params = fx.pair(kind, copy_target)
-  settings = dict(num_slots=3, max_draft=4, max_len=64, mode="av", temperature=0.0,
-                  steps_per_chunk=4)
+  settings = dict(num_slots=3, max_draft=4, max_len=64, mode="av",
+                  sampling=Sampling(temperature=0.0), programs=E.Programs(steps_per_chunk=4))
   settings.update(overrides)
   return E.make_engine(E.EngineConfig(**settings), cfg, drafter), params
 
@@ -109,7 +110,8 @@ def test_caught_up_drafter_accepts_every_draft_after_a_stretch(backlog):
   default (4 (K + 1) = 20, absorbed when a slot drafts again), K + 1 = 5 (the eager
   catch-up) and 7 (filled and absorbed within stretches)."""
   want = [fx.greedy_reference(True, p, n) for p, n in zip(PROMPTS, [20, 25, 18, 22])]
-  engine, params = _slot_engine("draft_lm", copy_target=True, drafter_backlog=backlog)
+  engine, params = _slot_engine("draft_lm", copy_target=True, programs=E.Programs(
+      steps_per_chunk=4, drafter_backlog=backlog))
   B, K = engine.config.num_slots, engine.config.max_draft
   result = E.generate(engine, params, PROMPTS, max_new_tokens=[20, 25, 18, 22],
                       key=fx.key(0), cost=_cost(B, K, 1e-3), keep_infos=True)
@@ -125,7 +127,7 @@ def test_caught_up_drafter_accepts_every_draft_after_a_stretch(backlog):
 
 @pytest.mark.parametrize("kind", ["eagle", "block"])
 def test_subset_drafting_drafts_exactly_the_chosen_slots(kind):
-  engine, params = _slot_engine(kind, num_slots=8, steps_per_chunk=6)
+  engine, params = _slot_engine(kind, num_slots=8, programs=E.Programs(steps_per_chunk=6))
   B = engine.config.num_slots
   assert engine.config.draft_bucket_sizes() == (1, 2, 4, 8)
   prompts = [[1 + b, 2, 3 + b] for b in range(B)]
@@ -153,14 +155,15 @@ def test_subset_drafting_drafts_exactly_the_chosen_slots(kind):
 def test_draft_buckets_config():
   assert E.EngineConfig(num_slots=3).draft_bucket_sizes() == (1, 2, 3)
   assert E.EngineConfig(num_slots=64).draft_bucket_sizes() == (8, 16, 32, 64)
-  assert E.EngineConfig(num_slots=8, draft_buckets=(3, 1)).draft_bucket_sizes() == (1, 3, 8)
+  assert E.EngineConfig(num_slots=8, programs=E.Programs(
+      draft_buckets=(3, 1))).draft_bucket_sizes() == (1, 3, 8)
   for bad in ((), (0,), (9,), (2.5,), "4", (True,)):
     with pytest.raises(ValueError, match="draft_buckets"):
-      E.EngineConfig(num_slots=8, draft_buckets=bad)
+      E.EngineConfig(num_slots=8, programs=E.Programs(draft_buckets=bad))
 
 
 def test_gated_idle_slots_inert_and_no_recompile():
-  engine, params = _slot_engine("eagle", num_buckets=3)
+  engine, params = _slot_engine("eagle", programs=E.Programs(steps_per_chunk=4, num_buckets=3))
   B, K = engine.config.num_slots, engine.config.max_draft
   cost = _cost(B, K, 100.0)
   prefill, chunk, init = G.compiled(engine)
@@ -190,11 +193,12 @@ def test_a_gated_off_step_leaves_the_drafter_cache_alone_until_the_backlog_fills
   """Lazy catch-up in the engine: a step on which no slot drafts (drafting priced out of
   AV's plan) appends to each slot's backlog and runs no absorb (the drafter cache is
   bit-identical) until a backlog holds `pending_width` entries; with the eager catch-up
-  (`drafter_backlog` = K + 1, the negative control) such steps absorb every K + 1
+  (`programs.drafter_backlog` = K + 1, the negative control) such steps absorb every K + 1
   steps."""
   ran = {}
   for backlog in (None, 5):
-    engine, params = _engine(kind, drafter_backlog=backlog)
+    engine, params = _engine(kind, programs=E.Programs(steps_per_chunk=4,
+                                                       drafter_backlog=backlog))
     B, K = engine.config.num_slots, engine.config.max_draft
     width = engine.pending_width
     assert width == (4 * (K + 1) if backlog is None else backlog)
@@ -224,10 +228,10 @@ def test_a_gated_off_step_leaves_the_drafter_cache_alone_until_the_backlog_fills
 
 def test_drafter_backlog_config():
   assert E.EngineConfig(max_draft=4).pending_width() == 20
-  assert E.EngineConfig(max_draft=4, drafter_backlog=5).pending_width() == 5
+  assert E.EngineConfig(max_draft=4, programs=E.Programs(drafter_backlog=5)).pending_width() == 5
   for bad in (4, 0, 2.5, True, "8"):
     with pytest.raises(ValueError, match="drafter_backlog"):
-      E.EngineConfig(max_draft=4, drafter_backlog=bad)
+      E.EngineConfig(max_draft=4, programs=E.Programs(drafter_backlog=bad))
   cfg, drafter, _ = fx.pair("block")  # a parallel drafter keeps one-token blocks
   assert E.make_engine(E.EngineConfig(max_draft=4), cfg, drafter).pending_width == 5
   cfg, drafter, _ = fx.pair("eagle")

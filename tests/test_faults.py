@@ -64,12 +64,14 @@ def _poisoning() -> Drafter:
   return Drafter(inner.kind, inner.drafting, init_state, draft, inner.commit)
 
 
-def _make(num_slots, max_draft, max_len, **overrides):
+def _make(num_slots, max_draft, max_len, *, refit_interval, steps_per_chunk=1):
   cfg = fx.pair("draft_lm", copy_target=True)[0]
-  settings = dict(num_slots=num_slots, max_draft=max_draft, max_len=max_len, mode="av",
-                  temperature=0.0, num_buckets=2, steps_per_chunk=1)
-  settings.update(overrides)
-  return E.make_engine(E.EngineConfig(**settings), cfg, _poisoning())
+  config = E.EngineConfig(
+      num_slots=num_slots, max_draft=max_draft, max_len=max_len, mode="av",
+      sampling=av_jax.Sampling(temperature=0.0),
+      estimator=av_jax.EstimatorConfig(refit_interval=refit_interval),
+      programs=E.Programs(num_buckets=2, steps_per_chunk=steps_per_chunk))
+  return E.make_engine(config, cfg, _poisoning())
 
 
 def _engine():

@@ -16,20 +16,23 @@ import pytest
 import av_jax
 from av_jax import engine as E
 from av_jax.decision import make_decider, make_decision
+from av_jax.estimator import EstimatorConfig
 from av_jax.planner import PlannerConfig
+from av_jax.sampling import Sampling
 from tests import _engine_fixtures as fx
 
 PROMPTS = [[1, 2, 3], [4], list(range(5, 15)), [7, 7, 7, 7]]
 MAX_NEW = [9, 12, 6, 10]
 
 
-def _engine(kind, **overrides):
+def _engine(kind, *, temperature):
   """An engine whose decision is the budget rule under the drafter's exact policy."""
   cfg, drafter, params = fx.pair(kind)
-  settings = dict(num_slots=3, max_draft=3, max_len=40, mode="av", temperature=1.0,
-                  steps_per_chunk=4, refit_interval=3)
-  settings.update(overrides)
-  engine = E.make_engine(E.EngineConfig(**settings), cfg, drafter)
+  config = E.EngineConfig(num_slots=3, max_draft=3, max_len=40, mode="av",
+                          sampling=Sampling(temperature=temperature),
+                          estimator=EstimatorConfig(refit_interval=3),
+                          programs=E.Programs(steps_per_chunk=4))
+  engine = E.make_engine(config, cfg, drafter)
   decider = make_decider(engine.config.max_draft, policy=engine.policy,
                          estimator=engine.config.estimator,
                          planner=PlannerConfig(explore_every=2))

@@ -34,7 +34,8 @@ def test_buckets_past_the_largest_step_are_not_timed(tmp_path):
   cfg, drafter, params = fx.pair("block")
   # Two slots of K = 2 pack 6 tokens at most: the configured 12 and 24 never run.
   engine = E.make_engine(E.EngineConfig(num_slots=2, max_draft=2, max_len=32, mode="av",
-                                        buckets=(2, 4, 6, 12, 24)), cfg, drafter)
+                                        programs=E.Programs(buckets=(2, 4, 6, 12, 24))),
+                         cfg, drafter)
   cost, profile = prof.profile_costs(engine, params, repeats=1, cache_dir=str(tmp_path))
   assert profile["buckets"] == [2, 4, 6] and profile["skipped_buckets"] == [12, 24]
   assert len(profile["bucket_ms"]) == 3

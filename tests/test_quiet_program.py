@@ -18,6 +18,7 @@ import pytest
 from av_jax import engine as E
 from av_jax.engine import batching as G
 from av_jax.engine import core
+from av_jax.sampling import Sampling
 from av_jax.selection import make_cost_model
 
 from tests import _engine_fixtures as fx
@@ -31,12 +32,13 @@ def _cost(B, K, draft_ms):
   return make_cost_model(np.full(B + 1, draft_ms), 1.0 + 0.02 * np.arange(B * (K + 1) + 1))
 
 
-def _engine(kind, quiet_program, **overrides):
+def _engine(kind, quiet_program, *, mode="av", temperature=0.0, drafter_backlog=None):
   cfg, drafter, _ = fx.pair(kind)
-  settings = dict(num_slots=3, max_draft=4, max_len=64, mode="av", temperature=0.0,
-                  steps_per_chunk=4, quiet_program=quiet_program)
-  settings.update(overrides)
-  return E.make_engine(E.EngineConfig(**settings), cfg, drafter)
+  config = E.EngineConfig(num_slots=3, max_draft=4, max_len=64, mode=mode,
+                          sampling=Sampling(temperature=temperature),
+                          programs=E.Programs(steps_per_chunk=4, quiet_program=quiet_program,
+                                              drafter_backlog=drafter_backlog))
+  return E.make_engine(config, cfg, drafter)
 
 
 def _run(kind, quiet_program, price, key=0, **overrides):
@@ -108,7 +110,7 @@ def test_each_program_stops_where_the_kind_of_step_changes(kind):
   engine = _engine(kind, True, temperature=1.0)
   params = fx.pair(kind)[2]
   quiet, drafting = G.compiled_modes(engine)
-  n = engine.config.steps_per_chunk
+  n = engine.config.programs.steps_per_chunk
   state = _regime(engine, _busy(engine, params, 0.5), "full")
   assert bool(core.next_drafts(engine, state))
   state, _, count = quiet(params, state, np.int32(n))
@@ -184,8 +186,9 @@ def test_the_quiet_program_copies_no_cache(kind):
   quiet program's."""
   cfg, drafter, params = fx.pair(kind)
   B, max_len = 4, 64
-  engine = core.make_engine(core.EngineConfig(mode="av", num_slots=B, max_draft=4,
-                                              max_len=max_len, steps_per_chunk=3),
+  engine = core.make_engine(E.EngineConfig(mode="av", num_slots=B, max_draft=4,
+                                           max_len=max_len,
+                                           programs=E.Programs(steps_per_chunk=3)),
                             cfg, drafter)
   program = lambda p, s: core.run_mode(engine, p, s, 3, quiet=True)
   assert _loop_copies(engine, params, B, max_len, program=program) == 0

@@ -11,6 +11,7 @@ from av_jax import engine as E
 from av_jax.engine import core
 from av_jax.engine import profile as prof
 from av_jax.models import transformer
+from av_jax.sampling import Sampling
 from tests import _engine_fixtures as fx
 
 # Prompts of at most 16 tokens: one prefill compilation per engine.
@@ -18,12 +19,13 @@ PROMPTS = [[1, 2, 3], [4], list(range(5, 16)), [7] * 6, [3, 9]]
 MAX_NEW = [9, 12, 6, 10, 8]
 
 
-def _engine(kind, mode, **overrides):
+def _engine(kind, mode, *, temperature=0.0):
   cfg, drafter, params = fx.pair(kind)
-  settings = dict(num_slots=4, max_draft=3, max_len=40, mode=mode, temperature=0.0,
-                  steps_per_chunk=4, num_buckets=2, verify_groups=2)
-  settings.update(overrides)
-  return E.make_engine(E.EngineConfig(**settings), cfg, drafter), params
+  config = E.EngineConfig(num_slots=4, max_draft=3, max_len=40, mode=mode,
+                          sampling=Sampling(temperature=temperature),
+                          programs=E.Programs(steps_per_chunk=4, num_buckets=2,
+                                              verify_groups=2))
+  return E.make_engine(config, cfg, drafter), params
 
 
 def _tokens(result):
@@ -47,8 +49,10 @@ def test_packed_verify_is_the_same_for_every_grouping():
                                             M, cfg.target.head_dim))
   cache = transformer.KVCache(k, -k)
   engines = {groups: E.make_engine(E.EngineConfig(
-      num_slots=B, max_draft=K, max_len=M, mode="av", temperature=1.0, top_p=0.9,
-      buckets=(8, 16), verify_groups=groups), cfg, drafter) for groups in (1, 2)}
+      num_slots=B, max_draft=K, max_len=M, mode="av",
+      sampling=Sampling(temperature=1.0, top_p=0.9),
+      programs=E.Programs(buckets=(8, 16), verify_groups=groups)), cfg, drafter)
+             for groups in (1, 2)}
 
   @jax.jit  # one compilation for both groupings
   def run(target_params, cache):
@@ -84,7 +88,8 @@ def test_sampling_with_two_groups_draws_the_same_tokens():
   # Packing per group moves tokens between buffer rows but changes no value, so the same
   # key draws exactly the same tokens.
   engine, params = _engine("eagle", "av", temperature=1.0)
-  one = engine._replace(config=dataclasses.replace(engine.config, verify_groups=None))
+  programs = dataclasses.replace(engine.config.programs, verify_groups=None)
+  one = engine._replace(config=dataclasses.replace(engine.config, programs=programs))
   grouped = E.generate(engine, params, PROMPTS, max_new_tokens=MAX_NEW, key=fx.key(4))
   single = E.generate(one, params, PROMPTS, max_new_tokens=MAX_NEW, key=fx.key(4))
   assert _tokens(grouped) == _tokens(single)
@@ -95,7 +100,8 @@ def test_sampling_with_two_groups_draws_the_same_tokens():
 def test_profile_times_the_grouped_program():
   cfg, drafter, params = fx.pair("block")
   engine = E.make_engine(E.EngineConfig(num_slots=4, max_draft=2, max_len=16, mode="av",
-                                        num_buckets=2, verify_groups=2), cfg, drafter)
+                                        programs=E.Programs(num_buckets=2, verify_groups=2)),
+                         cfg, drafter)
   profile = prof.measure(engine, params, repeats=1)
   # Total sizes (G x T_g), the units of the cost tables.
   assert profile["buckets"] == list(engine.buckets) == [4, 12]
@@ -119,24 +125,25 @@ def test_profile_times_the_grouped_program():
 
 
 def test_group_bucket_sizes():
-  config = E.EngineConfig(num_slots=8, max_draft=8, num_buckets=4, verify_groups=2)
+  config = E.EngineConfig(num_slots=8, max_draft=8,
+                          programs=E.Programs(num_buckets=4, verify_groups=2))
   assert config.group_bucket_sizes() == (4, 8, 17, 36)
   assert config.bucket_sizes() == (8, 16, 34, 72)
-  assert E.EngineConfig(num_slots=8, max_draft=8, mode="fixed",
-                        verify_groups=4).bucket_sizes() == (72,)
-  assert E.EngineConfig(num_slots=4, max_draft=2, buckets=(4, 6),
-                        verify_groups=2).group_bucket_sizes() == (2, 3, 6)
+  assert E.EngineConfig(num_slots=8, max_draft=8, mode="fixed", programs=E.Programs(
+      verify_groups=4)).bucket_sizes() == (72,)
+  assert E.EngineConfig(num_slots=4, max_draft=2, programs=E.Programs(
+      buckets=(4, 6), verify_groups=2)).group_bucket_sizes() == (2, 3, 6)
   # None and 1 are the single packed buffer of all slots.
-  assert (E.EngineConfig(num_slots=8, verify_groups=1).bucket_sizes()
+  assert (E.EngineConfig(num_slots=8, programs=E.Programs(verify_groups=1)).bucket_sizes()
           == E.EngineConfig(num_slots=8).bucket_sizes())
 
 
 @pytest.mark.parametrize("groups", [0, -2, 3, 16, 2.0, True])
 def test_bad_verify_groups_are_refused(groups):
   with pytest.raises(ValueError, match="verify_groups"):
-    E.EngineConfig(num_slots=8, verify_groups=groups)
+    E.EngineConfig(num_slots=8, programs=E.Programs(verify_groups=groups))
 
 
 def test_buckets_must_split_evenly_over_groups():
   with pytest.raises(ValueError, match="buckets"):
-    E.EngineConfig(num_slots=8, buckets=(6, 12), verify_groups=4)
+    E.EngineConfig(num_slots=8, programs=E.Programs(buckets=(6, 12), verify_groups=4))

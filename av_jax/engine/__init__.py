@@ -1,9 +1,10 @@
 """Batched speculative-decoding engine with Adaptive Verification (see `core`)."""
 
 from av_jax.arms import ARMS
+from av_jax.engine.config import EngineConfig
+from av_jax.engine.config import Programs
 from av_jax.engine.core import DecodeState
 from av_jax.engine.core import Engine
-from av_jax.engine.core import EngineConfig
 from av_jax.engine.core import EngineStats
 from av_jax.engine.core import Params
 from av_jax.engine.core import StepInfo
@@ -29,6 +30,7 @@ __all__ = (
     "EngineStats",
     "GenerateResult",
     "Params",
+    "Programs",
     "StepInfo",
     "Target",
     "TargetOutput",

@@ -105,7 +105,7 @@ class _ChunkRunner:
 
   def __init__(self, engine: core.Engine, programs):
     self.quiet_prog, self.draft_prog = programs
-    self.steps = engine.config.steps_per_chunk
+    self.steps = engine.config.programs.steps_per_chunk
     self.quiet = True
     self.calls = [0, 0]  # quiet, drafting
 
@@ -211,7 +211,7 @@ def generate(engine: core.Engine, params: core.Params, prompts: Sequence[Sequenc
     state: continue from this decode state instead of a fresh one (must be idle).
     mesh: a ('data', 'model') `jax.sharding.Mesh` (`av_jax.engine.sharding.make_mesh`):
       slots over 'data', heads and MLP width over 'model'. None runs on one device. An
-      engine whose `verify_groups` is None runs with one verify group per 'data' shard
+      engine whose `programs.verify_groups` is None runs with one verify group per 'data' shard
       (`sharding.for_mesh`), so verification stays on each shard.
     stop_after_chunks: end the run after this many chunks even if requests remain
       (unfinished completions are None); with `checkpoint_path`, the decode state and the

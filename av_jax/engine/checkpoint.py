@@ -24,18 +24,19 @@ import orbax.checkpoint as ocp
 from av_jax.engine import core
 
 META = "av_jax_meta.json"
-FORMAT = 1
+FORMAT = 2
 
 
 def engine_identity(engine: core.Engine) -> dict:
   """What a checkpoint must match to be restored into `engine`."""
   cfg = dataclasses.asdict(engine.config)
-  cfg.pop("steps_per_chunk")  # host-sync granularity does not change the state
-  cfg.pop("quiet_program", None)  # nor the program a quiet step runs in (bit-identical)
+  programs = cfg["programs"]
+  programs.pop("steps_per_chunk")  # host-sync granularity does not change the state
+  programs.pop("quiet_program")  # nor the program a quiet step runs in (bit-identical)
   # Neither does the verify layout (tokens are bit-identical for every number of verify
   # groups, tests/test_verify_groups.py): a run saved on a mesh resumes on one device.
-  cfg.pop("verify_groups", None)
-  cfg.pop("record_features", None)  # what StepInfo records, not the state
+  programs.pop("verify_groups")
+  programs.pop("record_features")  # what StepInfo records, not the state
   # av_jax's own models by their config; a user's own target (`engine.models` None) by its
   # protocol name (`av_jax.engine.Target.name`).
   models = (json.dumps(dataclasses.asdict(engine.models), sort_keys=True, default=str)
@@ -44,6 +45,25 @@ def engine_identity(engine: core.Engine) -> dict:
               num_slots=engine.config.num_slots, max_draft=engine.config.max_draft,
               engine_config=json.dumps(cfg, sort_keys=True, default=str),
               models_hash=hashlib.sha256(models.encode()).hexdigest()[:16])
+
+
+def _config_diff(saved: str, current: str) -> str:
+  """The settings two `engine_config` JSON strings differ in, as dotted names."""
+  try:
+    saved_cfg = json.loads(saved)
+  except ValueError:
+    return f"unreadable saved config {saved!r}"
+  diffs = []
+
+  def walk(a, b, prefix):
+    if isinstance(a, dict) and isinstance(b, dict):
+      for key in sorted(set(a) | set(b)):
+        walk(a.get(key, "<absent>"), b.get(key, "<absent>"), f"{prefix}{key}.")
+    elif a != b:
+      diffs.append(f"{prefix[:-1]}: {a!r} vs {b!r}")
+
+  walk(saved_cfg, json.loads(current), "")
+  return "; ".join(diffs)
 
 
 def _split_key(state):
@@ -89,7 +109,7 @@ def restore(path: str, *, engine: core.Engine, like: Any) -> tuple[Any, dict]:
 
   Raises:
     ValueError: the folder is missing, damaged or truncated, or the checkpoint belongs
-      to another engine (the message names the first field that differs).
+      to another engine (the message names the settings that differ).
   """
   path = os.path.abspath(path)
   meta_path = os.path.join(path, META)
@@ -101,6 +121,10 @@ def restore(path: str, *, engine: core.Engine, like: Any) -> tuple[Any, dict]:
   want = engine_identity(engine)
   for field, value in want.items():
     if meta.get(field) != value:
+      if field == "engine_config" and isinstance(meta.get(field), str):
+        raise ValueError(f"checkpoint {path}: it was saved by another engine; engine "
+                         f"settings differ (saved vs this engine): "
+                         f"{_config_diff(meta[field], value)}")
       raise ValueError(f"checkpoint {path}: {field} is {meta.get(field)!r}, but the engine "
                        f"has {value!r}; it was saved by another engine")
   like, like_impl = _split_key(like)

@@ -19,20 +19,19 @@ target cache holds positions `0 .. length-2`; the newest token `tokens[b, length
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from av_jax.arms import ARMS, Arm, get_arm, policy_for
 from av_jax.decider import make_policy_decider
 from av_jax.decision import Decider, DecisionState, make_decider
 from av_jax.engine import protocols
+from av_jax.engine.config import EngineConfig
 from av_jax.engine.protocols import Target
-from av_jax.estimator import EstimatorConfig, EstimatorState
+from av_jax.estimator import EstimatorState
 from av_jax.features import FEATURES, logit_qmax
 from av_jax.models.config import ModelsConfig
 from av_jax.models import transformer
@@ -43,183 +42,12 @@ from av_jax.models.drafters import (CacheWindow, Drafter, DrafterState, can_skip
 from av_jax.models.sampling import sample_tokens, sampling_probs
 from av_jax.planner import PlannerConfig, PlannerState
 from av_jax.rejection import RejectionResult, rejection_sample
-from av_jax.sampling import Sampling, sampling_log_probs
+from av_jax.sampling import sampling_log_probs
 from av_jax.selection import CostModel, linear_cost_model
 
-# Features recorded per draft token when `EngineConfig.record_features` is on (studies):
+# Features recorded per draft token when `Programs.record_features` is on (studies):
 # every registered feature, lossless and lossy, in this order along StepInfo.extra's last axis.
 RECORDED_FEATURES = tuple(FEATURES)
-
-
-# The flat keyword arguments `EngineConfig` still takes (and reads back as properties):
-# {name: (group, field)}, e.g. `EngineConfig(temperature=0.0)` sets `sampling.temperature`.
-_FLAT = {
-    "temperature": ("sampling", "temperature"),
-    "top_p": ("sampling", "top_p"),
-    "refit_interval": ("estimator", "refit_interval"),
-    "damping": ("estimator", "damping"),
-    "l2": ("estimator", "l2"),
-    "init_slope": ("estimator", "init_slope"),
-    "init_intercept": ("estimator", "init_intercept"),
-}
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True, init=False)
-class EngineConfig:
-  """Static engine settings (one compiled program set per config).
-
-  The engine's own shape settings, plus the sampling and estimator settings as
-  nested configs. The flat names of `_FLAT` are accepted as keyword arguments and read
-  back as properties (`EngineConfig(temperature=0.0).temperature`), so
-  `dataclasses.replace(config, temperature=0.0)` works too.
-  """
-  num_slots: int = 8             # B, concurrent request slots
-  max_draft: int = 8             # K, maximum draft length
-  max_len: int = 512             # M, cache positions per slot (prompt + output + K + 1)
-  mode: str = "av"               # the arm, one of `av_jax.arms.ARMS` (or "confstop:T")
-  policy: str | None = None      # planner budget policy; None = the exact one for the drafter
-  num_buckets: int = 4           # static packed-token sizes between B and B*(K+1)
-  buckets: tuple[int, ...] | None = None  # explicit bucket sizes (override num_buckets)
-  # Draft buckets E: under subset drafting (the `av` arm's plan leaves rows out of
-  # drafting) a step drafts only the slots that draft,
-  # gathered into the smallest E >= their number (ascending, the last B); None: the
-  # geometric {ceil(B/8), ceil(B/4), ceil(B/2), B}.
-  draft_buckets: tuple[int, ...] | None = None
-  # Lazy catch-up: under subset drafting an autoregressive drafter's slot that does
-  # not draft keeps up to this many committed tokens (and their target hidden states)
-  # pending, absorbed when it drafts again or when this many are pending
-  # (`drafters.widen` / `settle`); >= K + 1 (K + 1: absorb every K + 1 steps, the eager
-  # catch-up). None: 4 (K + 1). Memory: B x P target hidden states.
-  drafter_backlog: int | None = None
-  eos_id: int = -1               # end-of-sequence token (-1: none)
-  steps_per_chunk: int = 16      # decode steps per `run_chunk` (host sync granularity)
-  # A gated engine runs the steps on which no slot drafts in a program of their own, a
-  # target-only step's with the decision's bookkeeping (`run_mode`; `batching.generate`
-  # switches between it and the drafting program on the host, the chunks' boundaries
-  # unchanged). False: every step in one program (`run_chunk`), as before.
-  quiet_program: bool = True
-  record_features: bool = False  # StepInfo.extra holds every RECORDED_FEATURES (studies)
-  verify_groups: int | None = None  # G, verification packs G contiguous groups of B/G slots
-                                    # separately (data-parallel when G is a multiple of the
-                                    # mesh's 'data' size); None: 1, or under
-                                    # `generate(mesh=...)` the 'data' size
-  sampling: Sampling = Sampling()  # temperature (0: greedy) and top-p of draft and target
-  estimator: EstimatorConfig = EstimatorConfig()  # the online estimator's settings
-
-  def __init__(self, **settings):
-    groups: dict[str, dict] = {}
-    for name, (group, field) in _FLAT.items():
-      if name in settings:
-        groups.setdefault(group, {})[field] = settings.pop(name)
-    fields = {f.name: f for f in dataclasses.fields(self)}
-    for group, values in groups.items():
-      base = settings.get(group, fields[group].default)
-      settings[group] = dataclasses.replace(base, **values)
-    unknown = sorted(set(settings) - set(fields))
-    if unknown:
-      raise TypeError(f"EngineConfig: unexpected settings {unknown}; expected fields "
-                      f"{sorted(fields)} or flat names {sorted(_FLAT)}")
-    for name, f in fields.items():
-      object.__setattr__(self, name, settings.get(name, f.default))
-    self.__post_init__()
-
-  def __post_init__(self):
-    try:
-      get_arm(self.mode)
-    except ValueError:
-      raise ValueError(f"mode: expected one of {tuple(ARMS)} or confstop:T, got "
-                       f"{self.mode!r}") from None
-    if self.num_slots < 1 or self.max_draft < 1:
-      raise ValueError(f"num_slots and max_draft: expected >= 1, got "
-                       f"{self.num_slots}, {self.max_draft}")
-    if self.max_len < self.max_draft + 3:
-      raise ValueError(f"max_len: expected >= max_draft + 3, got {self.max_len}")
-    for group, kind in (("sampling", Sampling), ("estimator", EstimatorConfig)):
-      if not isinstance(getattr(self, group), kind):
-        raise ValueError(f"{group}: expected a {kind.__name__}, got "
-                         f"{getattr(self, group)!r}")
-    if self.verify_groups is not None:
-      if (isinstance(self.verify_groups, bool)
-          or not isinstance(self.verify_groups, (int, np.integer))):
-        raise ValueError(f"verify_groups: expected an int or None, got "
-                         f"{self.verify_groups!r}")
-      if self.verify_groups < 1 or self.num_slots % self.verify_groups:
-        raise ValueError(f"verify_groups: expected a positive divisor of num_slots = "
-                         f"{self.num_slots}, got {self.verify_groups}")
-      if self.buckets is not None and any(int(b) % self.verify_groups for b in self.buckets):
-        raise ValueError(f"buckets: with verify_groups = {self.verify_groups} every size "
-                         f"must be a multiple of it (G groups of T/G), got {self.buckets}")
-    if self.draft_buckets is not None:
-      sizes = self.draft_buckets
-      if (not isinstance(sizes, (tuple, list)) or not sizes
-          or any(isinstance(e, bool) or not isinstance(e, (int, np.integer))
-                 or not 1 <= e <= self.num_slots for e in sizes)):
-        raise ValueError(f"draft_buckets: expected a non-empty tuple of ints in [1, "
-                         f"num_slots = {self.num_slots}], got {sizes!r}")
-
-    if self.drafter_backlog is not None and (
-        isinstance(self.drafter_backlog, bool)
-        or not isinstance(self.drafter_backlog, (int, np.integer))
-        or self.drafter_backlog < self.max_draft + 1):
-      raise ValueError(f"drafter_backlog: expected an int >= max_draft + 1 = "
-                       f"{self.max_draft + 1} or None, got {self.drafter_backlog!r}")
-
-  def pending_width(self) -> int:
-    """P, the pending columns of a drafter state under lazy catch-up
-    (`drafter_backlog`, default 4 (K + 1))."""
-    K1 = self.max_draft + 1
-    return 4 * K1 if self.drafter_backlog is None else int(self.drafter_backlog)
-
-  def draft_bucket_sizes(self) -> tuple[int, ...]:
-    """Draft bucket sizes E, ascending, the last B: a gated step drafting for n slots
-    gathers them into the smallest E >= n rows (`draft_buckets`, or the geometric
-    ceil(B/8), ceil(B/4), ceil(B/2), B)."""
-    B = self.num_slots
-    if self.draft_buckets is not None:
-      sizes = set(int(e) for e in self.draft_buckets)
-    else:
-      sizes = {-(-B // d) for d in (8, 4, 2, 1)}
-    return tuple(sorted(sizes | {B}))
-
-  @property
-  def greedy(self) -> bool:
-    return self.sampling.greedy
-
-  @property
-  def groups(self) -> int:
-    """G, the number of verify groups (`verify_groups`, 1 when None)."""
-    return self.verify_groups or 1
-
-  def bucket_sizes(self) -> tuple[int, ...]:
-    """Packed-token sizes T of all groups together, ascending (G x `group_bucket_sizes`).
-
-    The last holds every slot's K + 1 tokens. These are the sizes the cost tables and
-    `StepInfo.bucket` refer to: a step verifying R + n tokens in all costs what bucket
-    T >= R + n costs, which is exact for G = 1 and assumes the tokens spread evenly over
-    the groups otherwise (the step really runs the bucket of its fullest group).
-    """
-    return tuple(self.groups * s for s in self.group_bucket_sizes())
-
-  def group_bucket_sizes(self) -> tuple[int, ...]:
-    """Per-group packed sizes T_g, ascending; the last holds B/G slots' K + 1 tokens."""
-    G, K = self.groups, self.max_draft
-    B = self.num_slots // G  # slots per group
-    top = B * (K + 1)
-    if self.buckets is not None:
-      sizes = sorted(set(int(b) for b in self.buckets))
-      if sizes[0] < 1:
-        raise ValueError(f"buckets: expected positive sizes, got {self.buckets}")
-      sizes = tuple(s // G for s in sizes)  # multiples of G (checked at construction)
-      return sizes if sizes[-1] >= top else sizes + (top,)
-    if self.mode in ("target_only",):
-      return (B,)
-    if self.mode in ("fixed", "oracle"):
-      return (top,)
-    # Geometric spacing from B (target only) to B(K+1) (everything): a step's cost stays
-    # within a constant factor of the tokens it verifies, with few compiled programs.
-    n = max(1, self.num_buckets)
-    sizes = np.unique(np.round(B * (K + 1) ** (np.arange(n) / max(n - 1, 1))).astype(int))
-    return tuple(int(s) for s in sizes[:-1]) + (top,)
 
 
 class EngineStats(NamedTuple):
@@ -319,15 +147,6 @@ class Engine(NamedTuple):
     return self.config.max_draft + 1
 
 
-def _flat_property(group: str, field: str) -> property:
-  return property(lambda self: getattr(getattr(self, group), field),
-                  doc=f"`{group}.{field}` (flat name kept for callers)")
-
-
-for _name, (_group, _field) in _FLAT.items():
-  setattr(EngineConfig, _name, _flat_property(_group, _field))
-
-
 def make_engine(config: EngineConfig, models: ModelsConfig | None = None,
                 drafter: Drafter | None = None, *, target: Target | None = None) -> Engine:
   """Binds an engine config to a target and a drafter; picks the exact policy.
@@ -366,11 +185,11 @@ def make_engine(config: EngineConfig, models: ModelsConfig | None = None,
   if arm.head and drafter.kind != "block_head":
     raise ValueError(f"mode: 'av_head' needs a drafter with a confidence head, got "
                      f"{drafter.kind!r}")
-  policy = policy_for(ARMS["av"], drafting=drafter.drafting, greedy=config.greedy,
+  policy = policy_for(ARMS["av"], drafting=drafter.drafting, greedy=config.sampling.greedy,
                      requested=config.policy)
   if arm.name == "av":
     decider = make_policy_decider(config.max_draft, drafter_kind=drafter.drafting,
-                                  greedy=config.greedy, gated=can_skip(drafter),
+                                  greedy=config.sampling.greedy, gated=can_skip(drafter),
                                   estimator=config.estimator)
   else:
     stop = {"confidence": "confidence"}.get(arm.stop, "none")
@@ -378,7 +197,7 @@ def make_engine(config: EngineConfig, models: ModelsConfig | None = None,
         {} if arm.threshold is None else {"confidence_threshold": arm.threshold}))
     decider = make_decider(
         config.max_draft, head=arm.head, estimator=config.estimator, planner=planner,
-        policy=policy_for(arm, drafting=drafter.drafting, greedy=config.greedy,
+        policy=policy_for(arm, drafting=drafter.drafting, greedy=config.sampling.greedy,
                           requested=policy))
   return Engine(config=config, models=models, target=target, drafter=drafter, policy=policy,
                 arm=arm, decider=decider)
@@ -670,7 +489,7 @@ class Drafts(NamedTuple):
 def _no_draft(engine: Engine, state: DecodeState) -> Drafts:
   cfg = engine.config
   B, K, V = cfg.num_slots, cfg.max_draft, engine.target.vocab_size
-  F = len(RECORDED_FEATURES) if cfg.record_features else 0
+  F = len(RECORDED_FEATURES) if cfg.programs.record_features else 0
   return Drafts(tokens=jnp.zeros((B, K), jnp.int32), probs=jnp.zeros((B, K, V), jnp.float32),
                   features=jnp.zeros((B, K), jnp.float32), conf=jnp.zeros((B, K), jnp.float32),
                   finite=jnp.ones((B,), bool), extra=jnp.zeros((B, K, F), jnp.float32),
@@ -770,13 +589,13 @@ def _draft(engine: Engine, params: Params, drafter_state: DrafterState, key: jax
     log_probs = jnp.where(usable[..., None], draft.log_probs, uniform)
   else:
     log_probs = sampling_log_probs(draft_logits, temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p)
-  if cfg.greedy:  # greedy drafting: q is the point mass on the arg-max
+  if cfg.sampling.greedy:  # greedy drafting: q is the point mass on the arg-max
     probs = jax.nn.one_hot(jnp.argmax(draft_logits, -1), draft_logits.shape[-1])
   else:
     probs = jnp.exp(log_probs)
   conf = (jax.nn.sigmoid(draft.conf_logits) if draft.conf_logits is not None
           else jnp.zeros((B, K), jnp.float32))
-  if cfg.record_features:  # measured only, never used to prune (the lossy ones read tokens)
+  if cfg.programs.record_features:  # measured only, never used to prune (the lossy ones read tokens)
     extra = jnp.stack([FEATURES[name](log_probs, tokens=draft.tokens)
                        for name in RECORDED_FEATURES], axis=-1)
   else:
@@ -950,7 +769,7 @@ def _verify_phase(engine: Engine, params: Params, state: DecodeState, drafts: Dr
   reject = lambda target_probs: rejection_sample(
       key, draft_probs=drafts.probs, draft_tokens=drafts.tokens, target_probs=target_probs,
       num_verified=num_verified)
-  record = engine.config.record_features
+  record = engine.config.programs.record_features
   if record:
     reject = lambda target_probs, reject=reject: (
         reject(target_probs), _accept_probs(drafts, target_probs))
@@ -1295,7 +1114,7 @@ def splits_quiet(engine: Engine) -> bool:
   """The engine runs its steps that draft for no slot in a program of their own
   (`run_mode`): a gated engine (the `av` arm with subset drafting) with `quiet_program`."""
   return bool(engine.arm.drafts and engine.decider.gated
-              and engine.config.quiet_program)
+              and engine.config.programs.quiet_program)
 
 
 def next_drafts(engine: Engine, state: DecodeState) -> jax.Array:
@@ -1344,7 +1163,7 @@ def run_mode(engine: Engine, params: Params, state: DecodeState, limit: jax.Arra
   step. Returns the state, the step records stacked over `num_steps` (rows at and past
   the count are zeros) and the count of steps run.
   """
-  n = num_steps or engine.config.steps_per_chunk
+  n = num_steps or engine.config.programs.steps_per_chunk
   one = (lambda s: quiet_step(engine, params, s)) if quiet else (
       lambda s: drafting_step(engine, params, s))
   shapes = jax.eval_shape(lambda s: one(s)[1], state)
@@ -1369,5 +1188,5 @@ def run_mode(engine: Engine, params: Params, state: DecodeState, limit: jax.Arra
 def run_chunk(engine: Engine, params: Params, state: DecodeState,
               num_steps: int | None = None) -> tuple[DecodeState, StepInfo]:
   """`lax.scan` of `step` over `num_steps` (default `steps_per_chunk`) decode steps."""
-  num_steps = num_steps or engine.config.steps_per_chunk
+  num_steps = num_steps or engine.config.programs.steps_per_chunk
   return jax.lax.scan(lambda s, _: step(engine, params, s), state, None, length=num_steps)

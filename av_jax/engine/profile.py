@@ -74,8 +74,8 @@ def measure(engine: core.Engine, params: core.Params, *, repeats: int = 5) -> di
   buckets = list(engine.buckets)
 
   def draft(dp, tp, ds, key):  # drafting and its sampling (tokens, log-probs) as run
-    out = engine.drafter.draft(dp, tp, ds, key, K=K, temperature=cfg.temperature,
-                               top_p=cfg.top_p)
+    out = engine.drafter.draft(dp, tp, ds, key, K=K, temperature=cfg.sampling.temperature,
+                               top_p=cfg.sampling.top_p)
     return out.logits, out.tokens, out.log_probs
 
   draft = jax.jit(draft)
@@ -109,8 +109,8 @@ def measure(engine: core.Engine, params: core.Params, *, repeats: int = 5) -> di
                                 jax.random.key(1, impl="rbg"), repeats=repeats)
 
     def draft_first(dp, tp, ds, key):
-      out = engine.drafter.draft(dp, tp, ds, key, K=1, temperature=cfg.temperature,
-                                 top_p=cfg.top_p)
+      out = engine.drafter.draft(dp, tp, ds, key, K=1, temperature=cfg.sampling.temperature,
+                                 top_p=cfg.sampling.top_p)
       return out.logits, out.tokens, out.log_probs
 
     draft_first = jax.jit(draft_first)
@@ -193,7 +193,7 @@ def whole_step_ms(engine: core.Engine, params: core.Params, state: core.DecodeSt
   step (not "skip")}`.
   """
   cfg = engine.config
-  B, K, M, S = cfg.num_slots, cfg.max_draft, cfg.max_len, cfg.steps_per_chunk
+  B, K, M, S = cfg.num_slots, cfg.max_draft, cfg.max_len, cfg.programs.steps_per_chunk
   length = jnp.full((B,), max(1, (M - S * (K + 1)) // 2), jnp.int32)
   planner = state.planner
   free = make_cost_model(np.zeros(B + 1), 1.0 + 1e-6 * np.arange(B * (K + 1) + 1))
@@ -410,7 +410,7 @@ PROFILE_VERSION = 16  # what `measure` times; a change makes cached profiles sta
 
 def cache_key(engine: core.Engine) -> str:
   cfg = dataclasses.asdict(engine.config)
-  cfg.pop("steps_per_chunk")
+  cfg["programs"].pop("steps_per_chunk")
   # av_jax's model set by its config; a target of the user's own by its name.
   models = (engine.target.name if engine.models is None else dataclasses.asdict(engine.models))
   # How the target's verify pass attends (per slot or per token) changes every bucket's

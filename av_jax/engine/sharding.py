@@ -16,7 +16,7 @@ coefficients after each refit (replicas that disagreed on the budget would deadl
 real deployment). Inside `jax.shard_map` code, pass `axis_name='data'` to `est.update`.
 
 Verification is data-parallel when the engine's verify groups line up with the 'data'
-shards: `core._verify_packed` packs each of G = `EngineConfig.verify_groups` contiguous
+shards: `core._verify_packed` packs each of G = `Programs.verify_groups` contiguous
 slot groups into its own buffer, so with G a multiple of the 'data' size every group's
 packed forward reads only its own shard's caches. `for_mesh` sets G to the 'data' size
 when the config leaves it None (`generate(mesh=...)` does this). With a single group on a
@@ -123,20 +123,21 @@ def for_mesh(engine: core.Engine, mesh: Mesh) -> core.Engine:
   """The engine to run on `mesh`: verify groups set to the 'data' size when left None.
 
   Args:
-    engine: the engine; an explicit `verify_groups` is kept as it is.
+    engine: the engine; an explicit `programs.verify_groups` is kept as it is.
     mesh: the ('data', 'model') mesh.
 
   Returns:
-    `engine`, or a copy whose config has `verify_groups` = the 'data' axis size, so each
+    `engine`, or a copy whose config has `programs.verify_groups` = the 'data' axis size, so each
     data shard packs and verifies only its own slots (see the module docstring).
 
   Raises:
     ValueError: num_slots is not divisible by the 'data' axis size.
   """
   check_divisible(engine, mesh)
-  if engine.config.verify_groups is not None:
+  if engine.config.programs.verify_groups is not None:
     return engine
-  config = dataclasses.replace(engine.config, verify_groups=int(mesh.shape[DATA]))
+  programs = dataclasses.replace(engine.config.programs, verify_groups=int(mesh.shape[DATA]))
+  config = dataclasses.replace(engine.config, programs=programs)
   return engine._replace(config=config)
 
 

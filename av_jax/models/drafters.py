@@ -80,7 +80,7 @@ does not draft keep up to P committed tokens (with their target hidden states) p
 absorbs its backlog (`settle`, all but the newest entry, which stays pending), so the
 absorb runs for the slots that draft, on the step they draft, and never for the tokens
 of a request that ends while it does not draft. `draft` and `commit` see K+1 columns
-(`settle`'s result; `narrow`); the engine keeps P (`EngineConfig.drafter_backlog`).
+(`settle`'s result; `narrow`); the engine keeps P (`Programs.drafter_backlog`).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Labelled drafts and online coefficient traces from real engine runs (studies 1 and 4).
 
 `collect` decodes a prompt stream with the engine in `fixed` mode (every slot verifies all
-K drafts) and `record_features=True`, and flattens the per-step records into one row per
+K drafts) and `programs.record_features=True`, and flattens the per-step records into one row per
 labelled draft token: every registered feature, the position, the label, the online
 estimator's served prediction, the confidence-head score, and the step. The estimator
 runs (and refits) during the stream exactly as it would while serving, so its served
@@ -21,6 +21,8 @@ import numpy as np
 
 from av_jax import engine as E
 from av_jax.engine import core
+from av_jax.estimator import EstimatorConfig
+from av_jax.sampling import Sampling
 
 FEATURE_NAMES = core.RECORDED_FEATURES
 
@@ -76,7 +78,7 @@ def flatten(infos: Sequence[core.StepInfo], *, first_step: int = 0,
   for info in infos:
     S, B, K = info.labeled.shape
     if info.extra.shape[-1] != len(FEATURE_NAMES):
-      raise ValueError("infos: expected records of an engine with record_features=True, "
+      raise ValueError("infos: expected records of an engine with programs.record_features=True, "
                        f"got {info.extra.shape[-1]} features per draft")
     s, _, k = np.nonzero(info.labeled)
     parts.append(Drafts(
@@ -97,9 +99,10 @@ def study_config(*, slots: int, max_draft: int, max_len: int, temperature: float
                  top_p: float, refit_interval: int, mode: str = "fixed",
                  steps_per_chunk: int = 8) -> E.EngineConfig:
   return E.EngineConfig(num_slots=slots, max_draft=max_draft, max_len=max_len, mode=mode,
-                        temperature=temperature, top_p=top_p, eos_id=-1,
-                        refit_interval=refit_interval, steps_per_chunk=steps_per_chunk,
-                        record_features=True)
+                        eos_id=-1, sampling=Sampling(temperature=temperature, top_p=top_p),
+                        estimator=EstimatorConfig(refit_interval=refit_interval),
+                        programs=E.Programs(steps_per_chunk=steps_per_chunk,
+                                            record_features=True))
 
 
 def collect(engine: core.Engine, params: core.Params,
@@ -113,7 +116,7 @@ def collect(engine: core.Engine, params: core.Params,
   prompts. The estimator carries over between segments (a workload switch mid-stream).
 
   Args:
-    engine: an engine with `record_features=True` (see `study_config`).
+    engine: an engine with `programs.record_features=True` (see `study_config`).
     params: model parameters.
     segments: prompt lists, one per segment.
     steps: decode steps per segment.
@@ -124,9 +127,9 @@ def collect(engine: core.Engine, params: core.Params,
   Returns:
     The labelled drafts (with `segment` set) and the coefficient trace.
   """
-  if not engine.config.record_features:
-    raise ValueError("engine: expected EngineConfig(record_features=True)")
-  chunk_steps = engine.config.steps_per_chunk
+  if not engine.config.programs.record_features:
+    raise ValueError("engine: expected a config with programs.record_features=True")
+  chunk_steps = engine.config.programs.steps_per_chunk
   num_chunks = max(1, math.ceil(steps / chunk_steps))
   state = None
   drafts, trace = [], []

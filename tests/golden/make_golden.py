@@ -31,7 +31,9 @@ import numpy as np
 from av_jax import engine as E
 from av_jax import models as M
 from av_lab import simulate
+from av_jax.estimator import EstimatorConfig
 from av_jax.models import checkpoint
+from av_jax.sampling import Sampling
 from av_jax.selection import make_cost_model
 from tests import _engine_fixtures as fx
 
@@ -82,9 +84,19 @@ FAST_CASES = ("eagle/av/top_p_eos", "block/av/top_p_features", "block_head/av_he
               "eagle/target_only/t0")
 
 
-def engine_config(**settings) -> E.EngineConfig:
-  """The engine config of a case's settings (the one place that builds it)."""
-  return E.EngineConfig(**settings)
+def engine_config(*, num_slots: int, max_draft: int, max_len: int, mode: str,
+                  temperature: float, top_p: float = 1.0, eos_id: int = -1,
+                  refit_interval: int, steps_per_chunk: int, num_buckets: int = 4,
+                  verify_groups: int | None = None,
+                  record_features: bool = False) -> E.EngineConfig:
+  """The engine config of a case's settings (the one place that builds it); the
+  defaults are the library's."""
+  return E.EngineConfig(
+      num_slots=num_slots, max_draft=max_draft, max_len=max_len, mode=mode, eos_id=eos_id,
+      sampling=Sampling(temperature=temperature, top_p=top_p),
+      estimator=EstimatorConfig(refit_interval=refit_interval),
+      programs=E.Programs(steps_per_chunk=steps_per_chunk, num_buckets=num_buckets,
+                          verify_groups=verify_groups, record_features=record_features))
 
 
 def _cost(name: str | None, config: E.EngineConfig):

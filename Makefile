@@ -44,20 +44,29 @@ demo: $(STAMP)
 # is run once more, as is one whose compile failed for memory (LLVM's "Failed to materialize
 # symbols"); a test that fails is not (`--only-rerun` matches these reports only).
 RERUN := --reruns 1 --only-rerun "crashed while running" --only-rerun "Failed to materialize symbols"
+# XLA's persistent compilation cache: an engine program compiled once (by either xdist
+# worker, in either tier) is read from disk by every later test that builds it. Keys are
+# the program's HLO, the compile options and the JAX version, so a changed program or a
+# second JAX generation never reads another's entry. `make test JAX_CACHE=` runs without.
+JAX_CACHE ?= $(CURDIR)/.cache/jax
+# A size bound turns on JAX's file lock, so one worker never reads an entry the other is
+# still writing.
+TEST_ENV := $(if $(JAX_CACHE),JAX_COMPILATION_CACHE_DIR=$(JAX_CACHE) \
+  JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0.5 JAX_COMPILATION_CACHE_MAX_SIZE=8000000000,)
 # `make test` leaves the tests named in tests/SLOW_TESTS.txt (engine and model tests of
 # >= 12 s each: compile-bound) to `make test-slow`; CI runs both; `make test-all` is both.
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2 --dist worksteal $(RERUN) -m "not slow" $(PYTEST_ARGS) tests
+	$(TEST_ENV) $(PY) -m pytest -q -n 2 --dist worksteal $(RERUN) -m "not slow" $(PYTEST_ARGS) tests
 
 test-slow: $(STAMP)
-	$(PY) -m pytest -q -n 2 --dist worksteal $(RERUN) -m slow $(PYTEST_ARGS) tests
+	$(TEST_ENV) $(PY) -m pytest -q -n 2 --dist worksteal $(RERUN) -m slow $(PYTEST_ARGS) tests
 
 test-all: $(STAMP)
-	$(PY) -m pytest -q -n 2 --dist worksteal $(RERUN) $(PYTEST_ARGS) tests
+	$(TEST_ENV) $(PY) -m pytest -q -n 2 --dist worksteal $(RERUN) $(PYTEST_ARGS) tests
 
 test-next: $(STAMP_NEXT)
 	$(PY_NEXT) -c "import sys, jax, flax; print('test-next: Python', sys.version.split()[0], 'jax', jax.__version__, 'flax', flax.__version__)"
-	$(PY_NEXT) -m pytest -q -n 2 --dist worksteal $(RERUN) -m "not slow" $(PYTEST_ARGS) $(NEXT_TESTS)
+	$(TEST_ENV) $(PY_NEXT) -m pytest -q -n 2 --dist worksteal $(RERUN) -m "not slow" $(PYTEST_ARGS) $(NEXT_TESTS)
 
 # The bench extra asks for torch>=2.13; installing this build first keeps pip from taking a
 # newer (CUDA, several GB) wheel for the range. Override with TORCH=... elsewhere.

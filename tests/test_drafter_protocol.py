@@ -142,7 +142,7 @@ def test_protocol_fields_are_checked():
       E.make_engine(config, target=_bigram_target(), drafter=bad)
   # Not declared `skips`: every step drafts every row (no subset drafting).
   plain = E.make_engine(config, target=_bigram_target(), drafter=drafter._replace(skips=False))
-  assert not plain.decider.gated
+  assert not plain.decider.gated and drafter.skips_rows and not plain.drafter.skips_rows
 
 
 def test_row_verbs_follow_the_declared_slot_axes():

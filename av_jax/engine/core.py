@@ -338,8 +338,8 @@ def make_engine(config: EngineConfig, models: ModelsConfig | None = None,
     models: av_jax's model set config; its transformer becomes the target
       (`protocols.transformer_target`).
     drafter: the drafter's functions and kind (`av_jax.models.make_drafter`, or the
-      user's own `Drafter`); steps draft for a subset of the rows where it declares
-      `Drafter.skips` (the `av` arm).
+      user's own `Drafter`); steps draft for a subset of the rows where it can skip
+      rows (`Drafter.skips_rows`, the `av` arm).
     target: a `protocols.Target`, instead of `models`.
 
   Raises:
@@ -370,7 +370,7 @@ def make_engine(config: EngineConfig, models: ModelsConfig | None = None,
                      requested=config.policy)
   if arm.name == "av":
     decider = make_policy_decider(config.max_draft, drafter_kind=drafter.drafting,
-                                  greedy=config.greedy, gated=drafter.skips,
+                                  greedy=config.greedy, gated=drafter.skips_rows,
                                   estimator=config.estimator)
   else:
     stop = {"confidence": "confidence"}.get(arm.stop, "none")

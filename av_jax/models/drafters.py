@@ -87,7 +87,8 @@ What the arguments are:
 - `skips` (default False) lets a step leave rows out of drafting. Their state must stay as
   if they had drafted: a state of the author's layout needs `catch_up`; a `DrafterState`
   catches up by `catch_up` below, which needs a parallel drafter (one that keeps no cache
-  a skipped step would leave behind) or `absorb`. av_jax's four kinds declare it.
+  a skipped step would leave behind) or `absorb`, and without either its rows all draft
+  (`Drafter.skips_rows`). av_jax's four kinds declare it.
 - `absorb(params, target_params, state) -> state` (optional, a `DrafterState`'s): writes
   the pending block into the drafter's own cache without drafting, as the first forward
   of `draft` does (draft_lm: the LM over the pending tokens; eagle: the head over the
@@ -457,16 +458,25 @@ class Drafter(NamedTuple):
   # ------------------------------------------------ the verbs the engine calls
 
   @property
+  def skips_rows(self) -> bool:
+    """A step may leave rows out of drafting: the drafter declares `skips` and its rows
+    can catch up (its `catch_up`; a `DrafterState`'s: a parallel drafter, or `absorb`,
+    `can_skip`). A `DrafterState` drafter with a cache and no `absorb` drafts every row."""
+    if not self.skips:
+      return False
+    return self.catch_up is not None if self.slot_axis is not None else can_skip(self)
+
+  @property
   def backlog(self) -> bool:
     """The rows that skip drafting keep the committed tokens pending until they draft
     again (lazy catch-up): a `DrafterState` drafter with `skips` and `absorb`. The
     engine then `start`s states `EngineConfig.drafter_backlog` columns wide."""
-    return self.skips and self.slot_axis is None and self.absorb is not None
+    return self.skips_rows and self.slot_axis is None and self.absorb is not None
 
   def check(self) -> None:
     """Raises a ValueError where the fields do not fit together (`make_engine` calls
-    it): `skips` without a way to catch up, `catch_up` on a `DrafterState`, `absorb` on
-    a state of the author's own layout."""
+    it): `skips` without `catch_up` for a state of the author's own layout, `catch_up`
+    on a `DrafterState`, `absorb` on a state of the author's own layout."""
     name = f"drafter {self.kind!r}"
     if self.drafting not in ("autoregressive", "parallel"):
       raise ValueError(f"{name}: drafting must be 'autoregressive' or 'parallel', got "
@@ -481,9 +491,6 @@ class Drafter(NamedTuple):
       if self.catch_up is not None:
         raise ValueError(f"{name}: `catch_up` is for a state of the drafter's own layout "
                          "(give `slot_axis`); a DrafterState catches up by `absorb`")
-      if self.skips and not can_skip(self):
-        raise ValueError(f"{name}: `skips` needs a parallel drafter or `absorb` (its "
-                         "DrafterState keeps a cache that a skipped step leaves behind)")
     else:
       if self.absorb is not None:
         raise ValueError(f"{name}: `absorb` is for a DrafterState (slot_axis None)")
@@ -588,7 +595,7 @@ class Drafter(NamedTuple):
                     hidden: jax.Array, mask: jax.Array, K: int):
     """The rows in `mask [B]` emitted `token [B]` without drafting (`hidden [B, D]`: the
     target hidden state that predicted it): `catch_up` (the author's for a state of its
-    own layout; av_jax's `catch_up` for a `DrafterState`). Needs `skips`."""
+    own layout; av_jax's `catch_up` for a `DrafterState`). Needs `skips_rows`."""
     if self.slot_axis is not None:
       return self.catch_up(params, target_params, state, token=token, hidden=hidden,
                            mask=mask)
@@ -598,7 +605,7 @@ class Drafter(NamedTuple):
 def can_skip(drafter: Drafter) -> bool:
   """Whether `catch_up` can keep a `DrafterState` drafter current on steps it does not
   draft: a parallel drafter (no cache, by the protocol) or one with `absorb`. The engine
-  skips rows of drafters that declare `Drafter.skips` (`Drafter.check` requires this)."""
+  skips rows of a drafter that also declares `Drafter.skips` (`Drafter.skips_rows`)."""
   return drafter.drafting == "parallel" or drafter.absorb is not None
 
 

@@ -1,11 +1,14 @@
 """The import graph of `av_jax` has no cycle (module-level imports, read from the source;
-a few ms). A function-local import is allowed only with a comment saying why."""
+a few ms). A function-local import is allowed only with a comment saying why. The
+engine takes from the drafters' module only the `Drafter` protocol's types."""
 
 import ast
+import inspect
 import os
 import re
 
 import av_jax
+from av_jax.models import drafters
 
 ROOT = os.path.dirname(av_jax.__file__)
 
@@ -113,3 +116,79 @@ def test_the_library_never_imports_the_lab():
       names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
                [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
       assert not any(n.split(".")[0] == "av_lab" for n in names), (module, names)
+
+
+# What the engine may take from the drafters' module: the protocol's types (and the
+# constructor of av_jax's drafters). Everything else a drafter does, the engine asks of
+# it through `Drafter`'s verbs.
+ENGINE_DRAFTER_NAMES = {"Drafter", "DrafterState", "DraftOutput", "make_drafter"}
+
+
+def _drafter_names_used(tree: ast.AST) -> set[str]:
+  """The names a module takes from `av_jax.models.drafters`: imported from it (or from
+  `av_jax.models`, which re-exports its names), or read as attributes of either module."""
+  internals = {name for name, value in vars(drafters).items()  # what it defines
+               if not name.startswith("__") and not inspect.ismodule(value)
+               and getattr(value, "__module__", drafters.__name__) == drafters.__name__}
+  bound, used = set(), set()  # the dotted names that denote either module
+
+  def models_as(name):
+    bound.update({name, name + ".drafters"})
+
+  for node in ast.walk(tree):
+    if isinstance(node, ast.ImportFrom) and node.module == "av_jax.models.drafters":
+      used |= {a.name for a in node.names}
+    elif isinstance(node, ast.ImportFrom) and node.module == "av_jax.models":
+      for a in node.names:
+        if a.name == "drafters":
+          bound.add(a.asname or a.name)
+        elif a.name in internals:
+          used.add(a.name)
+    elif isinstance(node, ast.ImportFrom) and node.module == "av_jax":
+      for a in node.names:
+        if a.name == "models":
+          models_as(a.asname or a.name)
+    elif isinstance(node, ast.Import):
+      for a in node.names:
+        if a.name == "av_jax.models.drafters":
+          bound.add(a.asname or a.name)
+        elif a.name in ("av_jax", "av_jax.models"):
+          models_as(a.asname or "av_jax.models")
+  for node in ast.walk(tree):
+    if (isinstance(node, ast.Attribute) and isinstance(node.value, (ast.Name, ast.Attribute))
+        and ast.unparse(node.value) in bound and node.attr in internals):
+      used.add(node.attr)
+  return used
+
+
+def test_the_engine_speaks_to_drafters_through_their_protocol():
+  """`av_jax/engine/*.py` take from `av_jax.models.drafters` only the protocol's types
+  (ENGINE_DRAFTER_NAMES), never a drafter's internals (its row and cache helpers), and
+  never name `KVCache`: what a drafter's (or a target's) cache is, is the model's
+  business; the engine moves rows through `Drafter`'s verbs and `Target.slot_axis`."""
+  engine = os.path.join(ROOT, "engine")
+  seen = {}
+  for name in sorted(os.listdir(engine)):
+    if not name.endswith(".py"):
+      continue
+    with open(os.path.join(engine, name), encoding="utf-8") as f:
+      tree = ast.parse(f.read())
+    used = _drafter_names_used(tree)
+    assert used <= ENGINE_DRAFTER_NAMES, (name, sorted(used - ENGINE_DRAFTER_NAMES))
+    seen[name] = used
+    kv = [n.lineno for n in ast.walk(tree)
+          if (isinstance(n, ast.Attribute) and n.attr == "KVCache")
+          or (isinstance(n, ast.Name) and n.id == "KVCache")
+          or (isinstance(n, ast.alias) and n.name == "KVCache")]
+    assert kv == [], (name, kv)
+  assert "Drafter" in seen["core.py"]  # the check reads the engine's imports
+
+
+def test_the_drafter_name_check_catches_an_internal():
+  """Negative control: each way of reaching a drafter internal is caught."""
+  for source in ("from av_jax.models.drafters import Drafter, settle",
+                 "from av_jax.models import drafters\ndrafters.take_slots(s, i)",
+                 "from av_jax import models\nmodels.drafters.widen(s, 4)",
+                 "from av_jax.models import catch_up",
+                 "import av_jax.models.drafters as d\nd.read_window(c)"):
+    assert _drafter_names_used(ast.parse(source)) - ENGINE_DRAFTER_NAMES, source

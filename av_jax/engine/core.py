@@ -19,7 +19,6 @@ target cache holds positions `0 .. length-2`; the newest token `tokens[b, length
 
 from __future__ import annotations
 
-import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -34,11 +33,7 @@ from av_jax.engine.protocols import Target
 from av_jax.estimator import EstimatorState
 from av_jax.features import FEATURES, logit_qmax
 from av_jax.models.config import ModelsConfig
-from av_jax.models import transformer
-from av_jax.models.drafters import (CacheWindow, Drafter, DrafterState, can_skip, catch_up,
-                                    insert_slot, keep_inactive, narrow, put_slots, read_window,
-                                    settle, take_slots, widen, window_shape, window_start,
-                                    write_window)
+from av_jax.models.drafters import Drafter
 from av_jax.models.sampling import sample_tokens, sampling_probs
 from av_jax.planner import PlannerConfig, PlannerState
 from av_jax.rejection import RejectionResult, rejection_sample
@@ -67,7 +62,8 @@ class DecodeState(NamedTuple):
   """Everything that changes between decode steps (a pytree)."""
   target_cache: Any                  # target cache pytree (`Target.init_cache`; av_jax's:
                                      # KVCache [L, B, H, M, Dh])
-  drafter: DrafterState              # drafter caches and pending tokens
+  drafter: Any                       # the drafter's state (`Drafter.init_state`; av_jax's:
+                                     # a DrafterState, caches and pending tokens)
   tokens: jax.Array                  # [B, M] int32 sequence buffer (prompt + output)
   length: jax.Array                  # [B] int32 tokens in the buffer
   prompt_len: jax.Array              # [B] int32 prompt tokens of the slot's request
@@ -140,9 +136,10 @@ class Engine(NamedTuple):
   @property
   def pending_width(self) -> int:
     """The drafter state's pending columns: `EngineConfig.pending_width()` where a slot
-    may skip drafting an autoregressive drafter (lazy catch-up), else K + 1."""
+    may skip drafting a drafter that keeps a backlog (`Drafter.backlog`, lazy catch-up),
+    else K + 1."""
     gated = self.arm.drafts and self.decider.gated
-    if gated and self.drafter.absorb is not None:
+    if gated and self.drafter.backlog:
       return self.config.pending_width()
     return self.config.max_draft + 1
 
@@ -160,13 +157,15 @@ def make_engine(config: EngineConfig, models: ModelsConfig | None = None,
     models: av_jax's model set config; its transformer becomes the target
       (`protocols.transformer_target`).
     drafter: the drafter's functions and kind (`av_jax.models.make_drafter`, or the
-      user's own `Drafter`).
+      user's own `Drafter`); steps draft for a subset of the rows where it can skip
+      rows (`Drafter.skips_rows`, the `av` arm).
     target: a `protocols.Target`, instead of `models`.
 
   Raises:
-    ValueError: neither or both of `models` and `target`, no drafter, `av_head` with a
-      drafter that has no confidence head, or a lossy policy requested explicitly for a
-      drafter where it is not exact.
+    ValueError: neither or both of `models` and `target`, no drafter, a drafter whose
+      fields do not fit together (`Drafter.check`), `av_head` with a drafter that has no
+      confidence head, or a lossy policy requested explicitly for a drafter where it is
+      not exact.
 
   Example:
     >>> engine = make_engine(EngineConfig(num_slots=4), target=my_target, drafter=my_drafter)
@@ -176,6 +175,7 @@ def make_engine(config: EngineConfig, models: ModelsConfig | None = None,
                      "and `target` (a protocols.Target)")
   if drafter is None:
     raise ValueError("make_engine: expected a drafter")
+  drafter.check()
   if target is None:
     target = protocols.transformer_target(models)
   if (target.verify_read is None) != (target.write is None):
@@ -189,7 +189,7 @@ def make_engine(config: EngineConfig, models: ModelsConfig | None = None,
                      requested=config.policy)
   if arm.name == "av":
     decider = make_policy_decider(config.max_draft, drafter_kind=drafter.drafting,
-                                  greedy=config.sampling.greedy, gated=can_skip(drafter),
+                                  greedy=config.sampling.greedy, gated=drafter.skips_rows,
                                   estimator=config.estimator)
   else:
     stop = {"confidence": "confidence"}.get(arm.stop, "none")
@@ -230,19 +230,12 @@ def init_state(engine: Engine, params: Params, key: jax.Array,
       in the state as data, so a re-profiled table needs no recompile.
   """
   cfg = engine.config
-  B, K, M = cfg.num_slots, cfg.max_draft, cfg.max_len
+  B, M = cfg.num_slots, cfg.max_len
   cost = default_cost(cfg) if cost is None else cost
   decision = engine.decider.init(B)
-  one = jnp.zeros((B, 1), jnp.int32)
-  hidden = jnp.zeros((B, 1, engine.target.hidden_size), jnp.float32)
-  drafter = engine.drafter.init_state(
-      params.drafter, params.target, prompt=one, prompt_hidden=hidden,
-      next_token=jnp.zeros((B,), jnp.int32), K=K, max_len=M,
-      prompt_lens=jnp.ones((B,), jnp.int32))
-  drafter = widen(drafter, engine.pending_width)
   return DecodeState(
       target_cache=engine.target.init_cache(B, M),
-      drafter=drafter,
+      drafter=_empty_drafter(engine, params, width=engine.pending_width),
       tokens=jnp.zeros((B, M), jnp.int32),
       length=jnp.ones((B,), jnp.int32),
       prompt_len=jnp.ones((B,), jnp.int32),
@@ -253,6 +246,18 @@ def init_state(engine: Engine, params: Params, key: jax.Array,
       cost=cost,
       key=key,
       stats=_empty_stats(cfg))
+
+
+def _empty_drafter(engine: Engine, params: Params, *, width: int) -> Any:
+  """The drafter state of B empty rows (a one-token prompt each) with `width` pending
+  columns (`Drafter.start`)."""
+  cfg = engine.config
+  B = cfg.num_slots
+  return engine.drafter.start(
+      params.drafter, params.target, prompt=jnp.zeros((B, 1), jnp.int32),
+      prompt_hidden=jnp.zeros((B, 1, engine.target.hidden_size), jnp.float32),
+      next_token=jnp.zeros((B,), jnp.int32), K=cfg.max_draft, max_len=cfg.max_len,
+      prompt_lens=jnp.ones((B,), jnp.int32), width=width)
 
 
 def prefill(engine: Engine, params: Params, state: DecodeState, *, prompt: jax.Array,
@@ -280,18 +285,17 @@ def prefill(engine: Engine, params: Params, state: DecodeState, *, prompt: jax.A
   key, k_first = jax.random.split(state.key)
   last_logits = logits[prompt_len - 1]
   first = sample_tokens(k_first, last_logits, temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p)
-  dstate = engine.drafter.init_state(
+  dstate = engine.drafter.start(
       params.drafter, params.target, prompt=prompt[None], prompt_hidden=hidden[None],
       next_token=first[None], K=cfg.max_draft, max_len=cfg.max_len,
-      prompt_lens=prompt_len[None])
-  dstate = widen(dstate, engine.pending_width)
+      prompt_lens=prompt_len[None], width=engine.pending_width)
   row = jnp.zeros((cfg.max_len,), jnp.int32).at[:P].set(jnp.where(valid[0], prompt, 0))
   row = row.at[prompt_len].set(first)
   done = (max_new <= 1) | (first == cfg.eos_id)
   return state._replace(
       planner=engine.decider.admit(state.planner, slot),
       target_cache=protocols.insert_slot(target, state.target_cache, cache, slot),
-      drafter=insert_slot(state.drafter, dstate, slot),
+      drafter=engine.drafter.insert_row(state.drafter, dstate, slot),
       tokens=state.tokens.at[slot].set(row),
       length=state.length.at[slot].set(prompt_len + 1),
       prompt_len=state.prompt_len.at[slot].set(prompt_len),
@@ -477,7 +481,7 @@ class Drafts(NamedTuple):
   conf: jax.Array       # [B, K] float32, confidence-head probability (0 if none)
   finite: jax.Array     # [B] bool, draft logits finite at every drafted position
   extra: jax.Array      # [B, K, F] float32, recorded features
-  state: DrafterState   # drafter state to commit
+  state: Any            # drafter state to commit (None inside a gated step's switch)
   # [B, K] bool, positions that may be verified: drafted, and every position up to and
   # including it finite (the fallback decides position i from positions <= i only)
   usable: jax.Array
@@ -486,14 +490,15 @@ class Drafts(NamedTuple):
   top1: jax.Array       # [B, K] float32, top-1 draft probability (confidence stop; else 0)
 
 
-def _no_draft(engine: Engine, state: DecodeState) -> Drafts:
+def _no_draft(engine: Engine, drafter_state: Any) -> Drafts:
+  """Placeholder drafts of a step that drafts nothing, with `drafter_state` to commit."""
   cfg = engine.config
   B, K, V = cfg.num_slots, cfg.max_draft, engine.target.vocab_size
   F = len(RECORDED_FEATURES) if cfg.programs.record_features else 0
   return Drafts(tokens=jnp.zeros((B, K), jnp.int32), probs=jnp.zeros((B, K, V), jnp.float32),
                   features=jnp.zeros((B, K), jnp.float32), conf=jnp.zeros((B, K), jnp.float32),
                   finite=jnp.ones((B,), bool), extra=jnp.zeros((B, K, F), jnp.float32),
-                  state=state.drafter, usable=jnp.ones((B, K), bool),
+                  state=drafter_state, usable=jnp.ones((B, K), bool),
                   depth=jnp.zeros((B,), jnp.int32), passes=jnp.zeros((), jnp.int32),
                   top1=jnp.zeros((B, K), jnp.float32))
 
@@ -552,21 +557,34 @@ def _keep_fn(engine: Engine, active: jax.Array, decision: DecisionState,
   return keep_fn, aux0
 
 
-def _draft(engine: Engine, params: Params, drafter_state: DrafterState, key: jax.Array,
-           decision: DecisionState, *, active: jax.Array,
-           slots: jax.Array | None = None) -> Drafts:
-  """Drafts for the rows of `drafter_state` (E of them: all B slots, or the rows of a
-  draft bucket, `active [E]` the ones that draft, `slots [E]` their slot ids) and
-  scores the drafts; every output has E rows."""
+def _draft_kwargs(engine: Engine, decision: DecisionState, *, active: jax.Array,
+                  slots: jax.Array | None = None) -> dict:
+  """The keyword arguments of `Drafter.draft` for E rows (`active [E]` the ones that
+  draft, `slots [E]` their slot ids, None: all B in order): K, temperature, top-p, and
+  the drafting stop (`keep_fn`, `keep_init`) where the loop evaluates one."""
   cfg = engine.config
-  B, K = drafter_state.tokens.shape[0], cfg.max_draft
-  stop_kwargs = {}
+  kwargs = dict(K=cfg.max_draft, temperature=cfg.sampling.temperature,
+                top_p=cfg.sampling.top_p)
   if _stepwise(engine):
     keep_fn, aux0 = _keep_fn(engine, active, decision, slots)
-    stop_kwargs = dict(keep_fn=keep_fn, keep_init=aux0)
-  draft = engine.drafter.draft(params.drafter, params.target, drafter_state, key, K=K,
-                               temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p,
-                               **stop_kwargs)
+    kwargs.update(keep_fn=keep_fn, keep_init=aux0)
+  return kwargs
+
+
+def _draft(engine: Engine, params: Params, drafter_state: Any, key: jax.Array,
+           decision: DecisionState, *, active: jax.Array,
+           slots: jax.Array | None = None) -> Drafts:
+  """Drafts for every row of `drafter_state` (`Drafter.draft`; `active`, `slots` as in
+  `_draft_kwargs`) and scores the drafts (`_scored`)."""
+  return _scored(engine, engine.drafter.draft(
+      params.drafter, params.target, drafter_state, key,
+      **_draft_kwargs(engine, decision, active=active, slots=slots)))
+
+
+def _scored(engine: Engine, draft) -> Drafts:
+  """The drafts of a `DraftOutput` of E rows and their scores; every output has E rows."""
+  cfg = engine.config
+  B, K = draft.tokens.shape[0], cfg.max_draft
   logits = draft.logits
   full = engine.drafter.drafting == "autoregressive"
   depth = jnp.full((B,), K, jnp.int32) if draft.depth is None else draft.depth
@@ -714,21 +732,18 @@ def _draft_phase(engine: Engine, params: Params, state: DecodeState, key: jax.Ar
   Under a drafting stop the loop over depths ends per request and for the batch
   (`_keep_fn`)."""
   if not engine.arm.drafts:
-    return _no_draft(engine, state)
+    return _no_draft(engine, state.drafter)
   return _draft(engine, params, state.drafter, key, decision, active=state.active)
 
 
-def _scatter_drafts(engine: Engine, state: DecodeState, sub: Drafts, idx: jax.Array,
-                    keep: jax.Array, *, whole: bool, keep_state: jax.Array | None = None
-                    ) -> Drafts:
+def _scatter_drafts(engine: Engine, sub: Drafts, idx: jax.Array, keep: jax.Array, *,
+                    whole: bool) -> Drafts:
   """The drafts of E bucket rows (`idx [E]` their slots, `keep [E]` the rows that
   drafted) as `[B, ...]` drafts: slots that did not draft get placeholders and no usable
-  position, and keep their drafter state unless `keep_state [E]` (default `keep`: rows
-  that only absorbed a backlog keep the settled state). `whole`: the rows are all B
-  slots in order."""
-  keep_state = keep if keep_state is None else keep_state
+  position. `whole`: the rows are all B slots in order. The drafter state is not among
+  them (`state` None): the bucket's `Drafter.draft_rows` update carries it."""
   cfg = engine.config
-  base = _no_draft(engine, state)._replace(
+  base = _no_draft(engine, None)._replace(
       usable=jnp.zeros((cfg.num_slots, cfg.max_draft), bool))
 
   def put(b, x):
@@ -740,9 +755,7 @@ def _scatter_drafts(engine: Engine, state: DecodeState, sub: Drafts, idx: jax.Ar
   fields = {name: put(getattr(base, name), getattr(sub, name))
             for name in ("tokens", "probs", "features", "conf", "finite", "extra", "usable",
                          "depth", "top1")}
-  drafter = (keep_inactive(sub.state, state.drafter, keep_state) if whole
-             else put_slots(state.drafter, sub.state, idx, keep_state))
-  return Drafts(**fields, state=drafter, passes=sub.passes)
+  return Drafts(**fields, state=None, passes=sub.passes)
 
 
 def _verify_phase(engine: Engine, params: Params, state: DecodeState, drafts: Drafts,
@@ -816,35 +829,36 @@ def _apply_stops(cfg: EngineConfig, state: DecodeState, result: RejectionResult)
 
 
 def _commit_phase(engine: Engine, state: DecodeState, drafts: Drafts,
-                  verdict: _Verdict) -> DrafterState:
+                  verdict: _Verdict) -> Any:
   """The emitted tokens and the target's hidden states become the drafter's pending
   block; inactive slots keep theirs. A target-only arm never runs the drafter."""
   if not engine.arm.drafts:
     return state.drafter
-  committed = engine.drafter.commit(drafts.state, emitted_tokens=verdict.result.tokens,
-                                    num_emitted=verdict.result.num_emitted,
-                                    target_hidden=verdict.target_hidden)
-  return keep_inactive(committed, state.drafter, state.active)
+  drafter = engine.drafter
+  committed = drafter.commit_rows(drafts.state, emitted_tokens=verdict.result.tokens,
+                                  num_emitted=verdict.result.num_emitted,
+                                  target_hidden=verdict.target_hidden)
+  return drafter.keep_rows(committed, state.drafter, state.active)
 
 
 def _gated_commit_phase(engine: Engine, params: Params, state: DecodeState, drafts: Drafts,
-                        verdict: _Verdict, slots: jax.Array) -> DrafterState:
+                        verdict: _Verdict, slots: jax.Array) -> Any:
   """A gated step's drafter state: the drafting `slots` commit as usual; the other active
-  slots emitted one target token without drafting and catch up (`catch_up`: the token
-  and the base token's target hidden state join the pending block); inactive slots keep
-  theirs. The cache is `catch_up`'s, whole (its absorb writes a pending block at the
-  positions it already holds; entries above a consumed prefix are never read)."""
-  active = state.active
-  caught = catch_up(engine.drafter, params.drafter, params.target, drafts.state,
-                    token=verdict.result.tokens[:, 0], hidden=verdict.target_hidden[:, 0],
-                    mask=active & ~slots, absorb=not _windowed(engine, state))
-  # The drafting slots were settled (no backlog), so K + 1 columns hold their pending.
-  committed = widen(engine.drafter.commit(
-      narrow(drafts.state, engine.config.max_draft + 1),
-      emitted_tokens=verdict.result.tokens, num_emitted=verdict.result.num_emitted,
-      target_hidden=verdict.target_hidden), engine.pending_width)
-  merged = keep_inactive(committed, caught, slots)._replace(cache=caught.cache)
-  return keep_inactive(merged, state.drafter, active)
+  slots emitted one target token without drafting and catch up (`Drafter.catch_up_rows`:
+  av_jax's drafters append the token and the base token's target hidden state to the
+  pending block); inactive slots keep theirs."""
+  drafter, active = engine.drafter, state.active
+  caught = drafter.catch_up_rows(params.drafter, params.target, drafts.state,
+                                 token=verdict.result.tokens[:, 0],
+                                 hidden=verdict.target_hidden[:, 0], mask=active & ~slots,
+                                 K=engine.config.max_draft)
+  committed = drafter.commit_rows(drafts.state, emitted_tokens=verdict.result.tokens,
+                                  num_emitted=verdict.result.num_emitted,
+                                  target_hidden=verdict.target_hidden)
+  # The rows that did not draft take the catch-up, the others the commit (a DrafterState's
+  # cache is the catch-up's, whole: `Drafter.keep_rows`).
+  merged = drafter.keep_rows(caught, committed, ~slots)
+  return drafter.keep_rows(merged, state.drafter, active)
 
 
 def _count(engine: Engine, stats: EngineStats, *, state: DecodeState, drafts: Drafts,
@@ -923,13 +937,6 @@ def _prepared(engine: Engine, state: DecodeState) -> DecisionState:
   return engine.decider.prepare(state.decision, state.active, state.cost)
 
 
-def _windowed(engine: Engine, state: DecodeState) -> bool:
-  """The gated step absorbs full backlogs in its draft bucket and writes the drafter's
-  `KVCache` after the bucket switch (lazy catch-up with a backlog wider than K + 1)."""
-  return (isinstance(state.drafter.cache, transformer.KVCache)
-          and engine.pending_width > engine.config.max_draft + 1)
-
-
 def _gated_step(engine: Engine, params: Params, state: DecodeState, *, key: jax.Array,
                 k_draft: jax.Array, k_verify: jax.Array, quiet: bool = False,
                 drafting_only: bool = False) -> tuple[DecodeState, StepInfo]:
@@ -938,12 +945,12 @@ def _gated_step(engine: Engine, params: Params, state: DecodeState, *, key: jax.
   With n drafting slots, the drafting slots (then other slots as padding, whose outputs
   are discarded and whose state is not written back) are gathered into the smallest
   draft bucket E >= n (`EngineConfig.draft_bucket_sizes`, `lax.switch` over one program
-  per bucket); the top bucket E = B drafts every row in place. n = 0 runs no drafter
-  pass: the target runs a target-only step's plain pass on the B base tokens and draws
-  each slot's token from its own distribution, and the drafter only catches up (for an
-  autoregressive drafter the token joins the slot's backlog, absorbed when the slot
-  drafts again or every `pending_width` steps: lazy catch-up). Slots that did not draft
-  catch up.
+  per bucket, `_draft_branches`); the top bucket E = B drafts every row in place. n = 0
+  runs no drafter pass: the target runs a target-only step's plain pass on the B base
+  tokens and draws each slot's token from its own distribution, and the drafter only
+  catches up (for a drafter with a backlog the token joins it, absorbed when the slot
+  drafts again or when the backlog is full: lazy catch-up). Slots that did not draft
+  catch up (`Drafter.catch_up_rows`).
 
   `quiet` (static): the program of a step on which the decider lets no slot draft
   (`next_drafts` False; the caller's guarantee, `run_mode`): no drafting branches, and
@@ -952,99 +959,92 @@ def _gated_step(engine: Engine, params: Params, state: DecodeState, *, key: jax.
   which some slot drafts (`next_drafts` True, `run_mode`): only the drafting branches,
   and verification through the packed buckets alone.
   """
-  cfg, decider, active = engine.config, engine.decider, state.active
-  B, K1, width = cfg.num_slots, cfg.max_draft + 1, engine.pending_width
+  cfg, decider, active, drafter = engine.config, engine.decider, state.active, engine.drafter
+  B, K = cfg.num_slots, cfg.max_draft
   decision = _prepared(engine, state)
   slots = (jnp.zeros((B,), bool) if quiet
            else decider.draft_slots(decision, active))                    # [B] bool
-  windowed = _windowed(engine, state)
-  # Lazy catch-up: a slot whose backlog is full absorbs it in this step's draft bucket
-  # (without drafting), so `catch_up` never absorbs; on a step that drafts for no slot
-  # the full backlogs are absorbed by their own branch (`absorb_only`: no drafter pass).
-  full = (active & ~slots & (state.drafter.num_pending >= width) if windowed
-          else jnp.zeros_like(slots))
+  # Lazy catch-up: a slot whose backlog is full (`Drafter.full_rows`) absorbs it in this
+  # step's draft bucket (without drafting), so the catch-up never absorbs; on a step that
+  # drafts for no slot the full backlogs are absorbed by their own branch (no drafter
+  # pass). None: the drafter's catch-up absorbs a full block itself.
+  due = drafter.full_rows(state.drafter, K=K)
+  windowed = due is not None
+  full = active & ~slots & due if windowed else jnp.zeros_like(slots)
+  branches, branch, sizes = _draft_branches(engine, params, state, decision, k_draft,
+                                            slots=slots, full=full, quiet=quiet)
+  # Only drafting differs by branch (branch 0: nothing drafted); one decide-and-verify
+  # program serves them all, and the target cache never passes through this switch:
+  # a cache returned by a branch of a `lax.cond` inside the decode loop was copied whole
+  # on every step (XLA's copy insertion), which would make a step without drafts dearer
+  # than a target-only one. Verification chooses between a plain and a packed target step in
+  # its own `lax.cond` whose operand is the cache (`_verify_phase`). The branches return
+  # the drafter's update (`Drafter.draft_rows`), written after the switch
+  # (`Drafter.write_back`): with a `KVCache` drafter cache and a backlog, only the cache
+  # entries its rows wrote, so the cache is written in place.
+  if drafting_only:  # some slot drafts: neither branch 0 nor an absorb-only branch
+    drafts, update = jax.lax.switch(branch - 1, branches[1:1 + len(sizes)])
+  else:
+    drafts, update = (branches[0]() if quiet and not windowed
+                      else jax.lax.switch(branch, branches))
+  drafts = drafts._replace(state=drafter.write_back(state.drafter, update, K=K))
+  drafting = jnp.any(slots)
+  # The draft bucket that ran for drafting slots (0: none drafted; a bucket that only
+  # absorbed backlogs is not a drafting step).
+  rows = (jnp.zeros((), jnp.int32) if quiet else
+          jnp.where(drafting, jnp.asarray((0,) + tuple(sizes), jnp.int32)[branch], 0))
+  commit = lambda drafts, verdict: _gated_commit_phase(engine, params, state, drafts,
+                                                       verdict, slots)
+  return _decide_and_verify(engine, params, state, decision, drafts, key=key,
+                            k_verify=k_verify, slots=slots, plan_drafting=slots,
+                            drafting=drafting, rows=rows,
+                            packed=False if quiet else True if drafting_only else drafting,
+                            commit=commit)
+
+
+def _draft_branches(engine: Engine, params: Params, state: DecodeState,
+                    decision: DecisionState, key: jax.Array, *, slots: jax.Array,
+                    full: jax.Array, quiet: bool):
+  """The gated step's drafting branches and the one this step takes: `(branches, branch,
+  sizes)`. Each branch returns `(drafts, update)`: the drafts scattered to B rows (their
+  `state` None) and the drafter's update of its state (`Drafter.draft_rows`). Branch 0
+  drafts nothing; then one per draft bucket E in `sizes` (the drafting slots `slots [B]`
+  and the full backlogs `full [B]` gathered first, in slot order, then other slots as
+  padding); then, where some backlog can be full, the absorb-only branches of a step
+  that drafts for no slot (the smallest bucket and B). `quiet`: no drafting branches
+  (`sizes` empty)."""
+  cfg, drafter = engine.config, engine.drafter
+  B, K = cfg.num_slots, cfg.max_draft
+  windowed = drafter.full_rows(state.drafter, K=K) is not None
   work = slots | full
   sizes = cfg.draft_bucket_sizes()
   count = jnp.sum(work, dtype=jnp.int32)
   branch = jnp.where(count == 0, 0,
                      1 + jnp.searchsorted(jnp.asarray(sizes), count, side="left"))
-  # Drafting (and absorbing) slots first (in slot order), then the others: padding rows.
   order = jnp.argsort(~work, stable=True).astype(jnp.int32)
-  decide = functools.partial(_decide_and_verify, engine, params, state, decision, key=key,
-                             k_verify=k_verify, slots=slots, plan_drafting=slots)
-  # With a `KVCache` drafter cache and a backlog, the branches return the cache entries
-  # the step consumed (`read_window`: each row's `width + 1` positions from
-  # `window_start`) and the cache is written after the switch (`write_window`): a cache
-  # returned by a branch was copied whole on every step, drafting or not (XLA's copy
-  # insertion).
-  # The pending block `[B, P(, D)]` stays out of the switch too: a branch changes it only
-  # by `settle` (a settled row's newest entry moves to column 0), redone after it.
-  shell = (state._replace(drafter=state.drafter._replace(cache=None, tokens=None,
-                                                         hidden=None)) if windowed
-           else state)
-
-  def no_writes(rows: int) -> CacheWindow | None:
-    if not windowed:
-      return None
-    c = state.drafter.cache
-    z = jnp.zeros(window_shape(c, rows=rows, width=width + 1), c.k.dtype)
-    return CacheWindow(z, z, jnp.zeros((rows,), jnp.int32),
-                       jnp.full((rows,), cfg.max_len, jnp.int32))
+  rows_of = lambda E: (None, jnp.arange(B, dtype=jnp.int32)) if E == B else (order[:E],) * 2
 
   def skip():
-    return _no_draft(engine, shell), no_writes(B)
+    return _no_draft(engine, None), drafter.unchanged(state.drafter, K=K)
 
   def subset(E):
     def run():
-      whole = E == B
-      idx = jnp.arange(B, dtype=jnp.int32) if whole else order[:E]
-      rows = state.drafter if whole else take_slots(state.drafter, idx)
-      keep, absorbs = slots[idx], work[idx]
-      start = rows.position
-      # Lazy catch-up: a row first absorbs its backlog (`settle`).
-      rows = settle(engine.drafter, params.drafter, params.target, rows, width=K1)
-      sub = _draft(engine, params, rows, k_draft, decision, active=keep, slots=idx)
-      new = widen(sub.state, width)
-      writes = None
-      if windowed:
-        w = read_window(new.cache, slot=idx,
-                        start=jnp.where(absorbs, window_start(start), cfg.max_len),
-                        width=width + 1)
-        if not whole:  # every branch returns B rows
-          pad = no_writes(B - E)
-          w = CacheWindow(*(jnp.concatenate([a, b], axis=1 if a.ndim > 1 else 0)
-                            for a, b in zip(w, pad)))
-        writes, new = w, new._replace(cache=None, tokens=None, hidden=None)
-      drafts = _scatter_drafts(engine, shell, sub._replace(state=new), idx, keep,
-                               whole=whole, keep_state=absorbs)
-      return drafts, writes
+      rows, idx = rows_of(E)
+      keep = slots[idx]
+      out, update = drafter.draft_rows(
+          params.drafter, params.target, state.drafter, key, rows=rows, keep=work[idx],
+          **_draft_kwargs(engine, decision, active=keep, slots=idx))
+      return _scatter_drafts(engine, _scored(engine, out), idx, keep,
+                             whole=rows is None), update
     return run
 
-  # Only drafting differs by bucket (branch 0: nothing drafted); one decide-and-verify
-  # program serves them all, and the target cache never passes through this switch:
-  # a cache returned by a branch of a `lax.cond` inside the decode loop was copied whole
-  # on every step (XLA's copy insertion), which would make a step without drafts dearer
-  # than a target-only one. Verification chooses between a plain and a packed target step in
-  # its own `lax.cond` whose operand is the cache (`_verify_phase`).
   def absorb_only(E):
     # The full backlogs gathered into E rows (all B when E = B): one absorb, no drafter
     # pass; only the full rows keep it (the entries of the others are not written).
     def run():
-      old, whole = state.drafter, E == B
-      idx = jnp.arange(B, dtype=jnp.int32) if whole else order[:E]
-      rows, w = settle(engine.drafter, params.drafter, params.target,
-                       old if whole else take_slots(old, idx), width=K1, window=True)
-      keep = full[idx]
-      w = w._replace(slot=idx, start=jnp.where(keep, w.start, cfg.max_len))
-      if not whole:
-        pad = no_writes(B - E)
-        w = CacheWindow(*(jnp.concatenate([a, b], axis=1 if a.ndim > 1 else 0)
-                          for a, b in zip(w, pad)))
-      put = lambda new, was: was.at[idx].set(jnp.where(keep, new, was[idx]))
-      drafts = _no_draft(engine, shell)
-      return drafts._replace(state=drafts.state._replace(
-          num_pending=put(rows.num_pending, old.num_pending),
-          position=put(rows.position, old.position))), w
+      rows, idx = rows_of(E)
+      return _no_draft(engine, None), drafter.settle_rows(
+          params.drafter, params.target, state.drafter, rows=rows, keep=full[idx], K=K)
     return run
 
   # A step that drafts for no slot and has full backlogs absorbs them in the smallest
@@ -1058,30 +1058,8 @@ def _gated_step(engine: Engine, params: Params, state: DecodeState, *, key: jax.
   if quiet:  # branch 0 or an absorb: the drafting branches are never taken
     branch = jnp.maximum(branch - len(sizes), 0)
     sizes = ()
-  if drafting_only:  # some slot drafts: neither branch 0 nor an absorb-only branch
-    drafts, writes = jax.lax.switch(branch - 1, [subset(E) for E in sizes])
-  else:
-    drafts, writes = (skip() if quiet and not windowed else jax.lax.switch(
-        branch, [skip] + [subset(E) for E in sizes] + [absorb_only(E) for E in absorbers]))
-  if windowed:
-    old = state.drafter
-    settled = work & (old.num_pending > K1)  # what `settle` did in the branch
-    newest = old.num_pending - 1
-    rows_b = jnp.arange(B)
-    first = lambda x: x.at[rows_b, 0].set(
-        jnp.where(settled.reshape((B,) + (1,) * (x.ndim - 2)), x[rows_b, newest], x[:, 0]))
-    drafts = drafts._replace(state=drafts.state._replace(
-        cache=write_window(old.cache, writes), tokens=first(old.tokens),
-        hidden=first(old.hidden)))
-  drafting = jnp.any(slots)
-  # The draft bucket that ran for drafting slots (0: none drafted; a bucket that only
-  # absorbed backlogs is not a drafting step).
-  rows = (jnp.zeros((), jnp.int32) if quiet else
-          jnp.where(drafting, jnp.asarray((0,) + tuple(sizes), jnp.int32)[branch], 0))
-  commit = lambda drafts, verdict: _gated_commit_phase(engine, params, state, drafts,
-                                                       verdict, slots)
-  packed = False if quiet else True if drafting_only else drafting
-  return decide(drafts, drafting=drafting, rows=rows, packed=packed, commit=commit)
+  branches = [skip] + [subset(E) for E in sizes] + [absorb_only(E) for E in absorbers]
+  return branches, branch, sizes
 
 
 def step(engine: Engine, params: Params, state: DecodeState) -> tuple[DecodeState, StepInfo]:

@@ -20,7 +20,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from av_jax.engine import batching, core
-from av_jax.models import drafters
 from av_jax.profiling import bounded_buckets
 from av_jax.profiling import median_ms as _median_ms
 from av_jax.profiling import step_cost_model
@@ -38,7 +37,8 @@ def measure(engine: core.Engine, params: core.Params, *, repeats: int = 5) -> di
 
   Both go through the engine's protocols, so a target and drafter of the user's own
   (`make_engine(config, target=..., drafter=...)`) are timed like av_jax's: the target's
-  `Target.verify` per bucket, the drafter's `Drafter.draft` on an empty state.
+  `Target.verify` per bucket, the drafter's `Drafter.draft` on an empty state
+  (`_draft_timings`).
 
   A bucket's verify program is what the engine's verify branch runs
   (`core.verify_forward`): with G = `verify_groups` groups, G packed forwards of T_g =
@@ -73,6 +73,26 @@ def measure(engine: core.Engine, params: core.Params, *, repeats: int = 5) -> di
   bucket_ms = retime_falls([bucket_timer(size) for size in timed], min_rounds=PROGRAM_ROUNDS)
   buckets = list(engine.buckets)
 
+  drafting = _draft_timings(engine, params, repeats=repeats)
+  profile = dict(device_kind=jax.devices()[0].device_kind, buckets=buckets[:len(timed)],
+                 bucket_ms=bucket_ms, skipped_buckets=buckets[len(timed):],
+                 draft_ms=drafting.pop("draft_ms"), repeats=repeats, verify_groups=G)
+  profile.update(drafting)
+  if engine.decider.gated:
+    profile["step_ms"] = retime_regimes(
+        profile, lambda: whole_step_ms(engine, params, state, repeats=repeats),
+        num_slots=B, max_tokens=B * (K + 1), min_rounds=STEP_ROUNDS)
+  return profile
+
+
+def _draft_timings(engine: core.Engine, params: core.Params, *, repeats: int) -> dict:
+  """The drafter's entries of a profile (`measure`), timed through the `Drafter` protocol:
+  `draft_ms` (`Drafter.draft` of K tokens for all B rows); under subset drafting
+  `draft_buckets` and `draft_bucket_ms` (E rows, `Drafter.take_rows`); where the drafting
+  loop stops between depths, `draft_first_ms` (depth 1 alone, per draft bucket)."""
+  cfg = engine.config
+  B, K = cfg.num_slots, cfg.max_draft
+
   def draft(dp, tp, ds, key):  # drafting and its sampling (tokens, log-probs) as run
     out = engine.drafter.draft(dp, tp, ds, key, K=K, temperature=cfg.sampling.temperature,
                                top_p=cfg.sampling.top_p)
@@ -80,20 +100,20 @@ def measure(engine: core.Engine, params: core.Params, *, repeats: int = 5) -> di
 
   draft = jax.jit(draft)
   # A drafting step drafts from K + 1 pending columns (a backlog is settled first).
-  dstate = drafters.narrow(state.drafter, K + 1)
+  dstate = core._empty_drafter(engine, params, width=K + 1)
+  rows_of = lambda e: (dstate if e == B
+                       else engine.drafter.take_rows(dstate, jnp.arange(e, dtype=jnp.int32)))
   draft_ms = min(_median_ms(draft, params.drafter, params.target, dstate,
                             jax.random.key(1, impl="rbg"), repeats=repeats)
                  for _ in range(PROGRAM_ROUNDS))
-  profile = dict(device_kind=jax.devices()[0].device_kind, buckets=buckets[:len(timed)],
-                 bucket_ms=bucket_ms, skipped_buckets=buckets[len(timed):], draft_ms=draft_ms,
-                 repeats=repeats, verify_groups=G)
+  profile = dict(draft_ms=draft_ms)
   if engine.decider.gated:
     # Under subset drafting a step drafts for E rows (a draft bucket), so drafting costs
     # what the bucket holding the drafting requests costs.
     sizes = cfg.draft_bucket_sizes()
     profile["draft_buckets"] = list(sizes)
     def draft_timer(e):
-      rows = drafters.take_slots(dstate, jnp.arange(e, dtype=jnp.int32))
+      rows = rows_of(e)
       return lambda: _median_ms(draft, params.drafter, params.target, rows,
                                 jax.random.key(1, impl="rbg"), repeats=repeats)
 
@@ -104,7 +124,7 @@ def measure(engine: core.Engine, params: core.Params, *, repeats: int = 5) -> di
     # from the drafter's program at depth 1 (its first pass consumes the K + 1 pending
     # columns and costs more than a later one). Per draft bucket under subset drafting.
     def first_timer(e):
-      rows = dstate if e == B else drafters.take_slots(dstate, jnp.arange(e, dtype=jnp.int32))
+      rows = rows_of(e)
       return lambda: _median_ms(draft_first, params.drafter, params.target, rows,
                                 jax.random.key(1, impl="rbg"), repeats=repeats)
 
@@ -117,10 +137,6 @@ def measure(engine: core.Engine, params: core.Params, *, repeats: int = 5) -> di
     sizes = profile.get("draft_buckets", [B])
     profile["draft_first_ms"] = retime_falls([first_timer(e) for e in sizes],
                                               min_rounds=PROGRAM_ROUNDS)
-  if engine.decider.gated:
-    profile["step_ms"] = retime_regimes(
-        profile, lambda: whole_step_ms(engine, params, state, repeats=repeats),
-        num_slots=B, max_tokens=B * (K + 1), min_rounds=STEP_ROUNDS)
   return profile
 
 

@@ -39,7 +39,6 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from av_jax.engine import core
-from av_jax.models import transformer
 from av_jax.models.drafters import DrafterState
 
 DATA, MODEL = "data", "model"
@@ -85,10 +84,10 @@ def param_shardings(mesh: Mesh, params: Any) -> Any:
 
 
 def _cache_sharding(mesh, cache):
-  if cache is None:
-    return None
-  spec = NamedSharding(mesh, P(None, DATA, MODEL, None, None))  # [L, B, H, M, Dh]
-  return transformer.KVCache(spec, spec)
+  """Every leaf of av_jax's KV cache `[L, B, H, M, Dh]`: slots over 'data', heads over
+  'model' (None: None)."""
+  spec = NamedSharding(mesh, P(None, DATA, MODEL, None, None))
+  return jax.tree.map(lambda _: spec, cache)
 
 
 def state_shardings(mesh: Mesh, state: core.DecodeState) -> core.DecodeState:

@@ -12,7 +12,12 @@
 autoregressive drafter and sampled drafts, q at position i+1 depends on the token drawn at
 position i.
 
-Protocol (all functions pure; `K` static, `temperature` / `top_p` may be traced arrays):
+The `Drafter` protocol: what the engine calls on a drafter, av_jax's four kinds and a
+drafter of the user's own alike (`make_engine(config, target=..., drafter=...)`;
+`examples/own_model_engine.py`, `tests/test_drafter_protocol.py`). All functions are pure
+and jit-traceable; `K` is static, `temperature` / `top_p` may be traced arrays.
+
+What the drafter's author writes (`Drafter` fields):
 
   state = drafter.init_state(params, target_params, prompt=[B,P], prompt_hidden=[B,P,D],
                              next_token=[B], K=K, max_len=M, prompt_lens=[B] or None)
@@ -24,10 +29,43 @@ Protocol (all functions pure; `K` static, `temperature` / `top_p` may be traced 
   # absorbing) and the loop ends when none does: out.depth [B], out.passes []
   state = drafter.commit(out.state, emitted_tokens=[B,K+1], num_emitted=[B],
                          target_hidden=[B,K+1,D])
-  state = drafter.absorb(params, target_params, state)       # optional (None): see below
+  # optional: skips=True (rows may skip drafting), and how they catch up:
+  state = drafter.catch_up(params, target_params, state, token=[B], hidden=[B,D],
+                           mask=[B])                          # a state of its own layout
+  state = drafter.absorb(params, target_params, state)       # a DrafterState: see below
 
-What the arguments are (for a drafter of the user's own, served with
-`make_engine(config, target=..., drafter=...)`; `examples/own_model_engine.py`):
+B is whatever number of rows the state holds: the engine's B slots, the E rows of a draft
+bucket, or the one row of a prefill.
+
+What the engine calls (`Drafter` methods, built on the fields; the engine calls nothing
+else, and never looks inside a state):
+
+  state = drafter.start(params, target_params, width=W, **init_state inputs)
+  state = drafter.insert_row(state, one_row, slot)           # a prefill's row into slot
+  state = drafter.keep_rows(new, old, mask [B])              # new where mask, else old
+  rows = drafter.take_rows(state, idx [E]); state = drafter.put_rows(state, rows, idx, keep [E])
+  out, update = drafter.draft_rows(params, target_params, state, key, rows=[E] or None,
+                                   keep=[E], K=K, temperature=t, top_p=p)  # (+ keep_fn)
+  update = drafter.settle_rows(params, target_params, state, rows=..., keep=..., K=K)
+  update = drafter.unchanged(state, K=K)                     # a step drafting no row
+  state = drafter.write_back(state, update, K=K)             # after the engine's switch
+  full = drafter.full_rows(state, K=K)                       # [B] bool, or None
+  state = drafter.commit_rows(state, emitted_tokens=..., num_emitted=..., target_hidden=...)
+  state = drafter.catch_up_rows(params, target_params, state, token=[B], hidden=[B,D],
+                                mask=[B], K=K)
+
+A step that drafts every row calls `draft` and `commit_rows` on the whole state. A step
+under subset drafting (the `av` arm, a drafter with `skips`) gathers the rows that draft
+into a draft bucket of E rows and calls `draft_rows` in one `lax.switch` branch per E:
+the bucket's rows are taken, settle any backlog and draft; the branch returns their
+drafts and an `update` of one shape for every E, which `write_back` writes after the
+switch (so a large cache is written in place, not copied by the switch); then the rows
+that drafted `commit_rows` and the others `catch_up_rows` on the token the target emitted
+for them. Where the rows live in a state is declared, not inferred by the engine:
+`slot_axis` (an int, or a hashable pytree prefix of the state such as a NamedTuple of
+ints), or None for a `DrafterState`.
+
+What the arguments are:
 
 - `params`: `Params.drafter`, any pytree; `target_params`: `Params.target`, any pytree (av_jax's
   EAGLE and block drafters read the target's tied embedding from it; others ignore it).
@@ -36,26 +74,28 @@ What the arguments are (for a drafter of the user's own, served with
   For av_jax's transformer it is the final hidden state after the final norm; for a user's
   target it is whatever its `verify` / `prefill` return as `hidden`. The engine never reads
   it.
-- The state must be a `DrafterState`: the engine inserts a prefilled slot
-  (`insert_slot`) and keeps inactive slots (`keep_inactive`) field by field. Its `cache` is
-  the drafter's own: None, a `KVCache` (slots on axis 1), or any array with slots on axis 0
-  (e.g. a token history `[B, M]`); `commit` below is shared by every kind and fits any.
+- The state is a `DrafterState` (`slot_axis` None, the default) or any pytree of the
+  author's own whose leaves hold the rows at `slot_axis`. A `DrafterState`'s `cache` is
+  the drafter's own: None, a `KVCache` (slots on axis 1), or any array with slots on axis
+  0 (e.g. a token history `[B, M]`); `commit` below is shared by every kind and fits any.
 - `draft` returns a `DraftOutput`; `log_probs` (what the tokens were drawn from, with
   temperature and top-p) is optional but saves a second top-p pass. With temperature <= 0
   the tokens must be the arg-max of `logits`.
 - `Drafter.kind` names the drafter (profile and checkpoint caches key on it; only
   "block_head" enables the `av_head` arm); `Drafter.drafting` is "autoregressive" or
-  "parallel" and decides the exact budget policy. A "parallel" drafter may be skipped on
-  steps where drafting does not pay, so it must keep no cache that a skipped step would
-  leave behind.
-- `absorb(params, target_params, state) -> state` (optional): writes the pending block into
-  the drafter's own cache without drafting, as the first forward of `draft` does (draft_lm:
-  the LM over the pending tokens; eagle: the head over the (hidden, token) pairs). Only the
-  returned `cache` is used; `catch_up` then starts a new pending block. It is what lets the
-  engine skip drafting for a drafter with a cache (`catch_up`); a drafter with a cache and
-  no `absorb` always drafts (`make_engine` keeps its skip-drafting gate off). `absorb` must
-  take a pending block of any width P >= K+1 (the engine's backlog, "Lazy catch-up" below)
-  and write only the first `num_pending` entries of each slot (none where it is 0).
+  "parallel" and decides the exact budget policy.
+- `skips` (default False) lets a step leave rows out of drafting. Their state must stay as
+  if they had drafted: a state of the author's layout needs `catch_up`; a `DrafterState`
+  catches up by `catch_up` below, which needs a parallel drafter (one that keeps no cache
+  a skipped step would leave behind) or `absorb`, and without either its rows all draft
+  (`Drafter.skips_rows`). av_jax's four kinds declare it.
+- `absorb(params, target_params, state) -> state` (optional, a `DrafterState`'s): writes
+  the pending block into the drafter's own cache without drafting, as the first forward
+  of `draft` does (draft_lm: the LM over the pending tokens; eagle: the head over the
+  (hidden, token) pairs). Only the returned `cache` is used; `catch_up` then starts a new
+  pending block. With `skips` it gives the rows that skip a backlog (`Drafter.backlog`,
+  "Lazy catch-up" below), so `absorb` must take a pending block of any width P >= K+1 and
+  write only the first `num_pending` entries of each slot (none where it is 0).
 
 Sequence bookkeeping. The committed sequence of slot b ends with token x_n at position n
 (the last emitted token, not yet seen by the target). The state holds the committed tokens
@@ -66,8 +106,8 @@ positions n..n+K; its hidden states and the emitted tokens become the next pendi
 (`commit`). Drafter cache entries above the consumed prefix are stale but never read.
 
 Catch-up (`catch_up`). On a step where a slot does not draft, the target emits one token
-for it; the drafter's state must stay as if drafting had never stopped (TensorRT-LLM
-#16888: skipping drafting collapsed acceptance when the drafter's state went stale). The
+for it; the drafter's state must stay as if drafting had never stopped (a stale drafter
+state collapses acceptance: skipped drafting did so in TensorRT-LLM). The
 committed token and the target hidden state that predicted it are appended to the pending
 block; when the block is full (K+1 entries) `absorb` consumes it into the cache first and
 the token starts a new block. The next `draft` consumes the whole block, so it sees what
@@ -80,7 +120,13 @@ does not draft keep up to P committed tokens (with their target hidden states) p
 absorbs its backlog (`settle`, all but the newest entry, which stays pending), so the
 absorb runs for the slots that draft, on the step they draft, and never for the tokens
 of a request that ends while it does not draft. `draft` and `commit` see K+1 columns
-(`settle`'s result; `narrow`); the engine keeps P (`Programs.drafter_backlog`).
+(`settle`'s result; `narrow`); the engine keeps P (`Programs.drafter_backlog`;
+`Drafter.start` widens, `Drafter.commit_rows` narrows and widens back). With a `KVCache`
+cache a draft bucket's `update` holds only the entries its rows wrote (`CacheWindow`,
+P + 1 positions per row from `window_start`) and its rows' pending counts, and
+`full_rows` names the rows whose backlog is full: the engine gathers them into the step's
+draft bucket to absorb (`draft_rows` with `keep`, or `settle_rows` on a step that drafts
+for no row), so `catch_up_rows` never absorbs.
 """
 
 from __future__ import annotations
@@ -126,16 +172,7 @@ def insert_slot(batched: DrafterState, single: DrafterState, slot: jax.Array) ->
 
   Caches have the slot on axis 1 (`[L, B, H, M, Dh]`), every other field on axis 0.
   """
-  fields = {}
-  for name in DrafterState._fields:
-    b, s = getattr(batched, name), getattr(single, name)
-    if b is None:
-      fields[name] = None
-    elif isinstance(b, transformer.KVCache):
-      fields[name] = transformer.KVCache(*(_set_row(x, y, slot, 1) for x, y in zip(b, s)))
-    else:
-      fields[name] = _set_row(b, s, slot, 0)
-  return DrafterState(**fields)
+  return _insert_row(batched, single, _state_axes(batched), slot)
 
 
 def keep_inactive(new: DrafterState, old: DrafterState, active: jax.Array) -> DrafterState:
@@ -303,18 +340,53 @@ def _slot_axis(field) -> int:
   return 1 if isinstance(field, transformer.KVCache) else 0
 
 
+def _state_axes(state: DrafterState) -> DrafterState:
+  """The slot axis of every leaf of a `DrafterState` (a pytree of ints of its structure):
+  a `KVCache` cache's leaves on axis 1, every other leaf on axis 0."""
+  return DrafterState(**{name: None if (f := getattr(state, name)) is None
+                         else jax.tree.map(lambda _, a=_slot_axis(f): a, f)
+                         for name in DrafterState._fields})
+
+
+def _take_rows(state, axes, idx: jax.Array):
+  """Rows `idx [E]` of every leaf of `state`, each on its slot axis (`axes`, a pytree of
+  ints of the state's structure)."""
+  return jax.tree.map(lambda x, a: jnp.take(x, idx, axis=a), state, axes)
+
+
+def _put_rows(batched, sub, axes, idx: jax.Array, keep: jax.Array):
+  """`batched` with rows `idx [E]` replaced by `sub`'s where `keep [E]`, leaf by leaf."""
+  def put(b, s, axis):
+    # Rows that do not keep scatter their slot's own values back (a no-op write).
+    old = jnp.take(b, idx, axis=axis)
+    mask = keep.reshape((1,) * axis + keep.shape + (1,) * (b.ndim - axis - 1))
+    new = jnp.where(mask, s.astype(b.dtype), old)
+    index = (slice(None),) * axis + (idx,)
+    return b.at[index].set(new)
+  return jax.tree.map(put, batched, sub, axes)
+
+
+def _insert_row(batched, single, axes, slot: jax.Array):
+  """`batched` with row `slot` replaced by the one-row `single`, leaf by leaf."""
+  return jax.tree.map(lambda b, s, a: _set_row(b, s, slot, a), batched, single, axes)
+
+
+def _where_rows(new, old, axes, mask: jax.Array):
+  """`new` in the rows where `mask [B]`, `old` in the others, in every leaf."""
+  def where(n, o, a):
+    return jnp.where(mask.reshape((1,) * a + mask.shape + (1,) * (n.ndim - a - 1)), n, o)
+  return jax.tree.map(where, new, old, axes)
+
+
 def take_slots(state: DrafterState, idx: jax.typing.ArrayLike) -> DrafterState:
   """The rows `idx [E]` of `state`, in that order: a drafter state of E slots.
 
   A `KVCache` cache has the slot on axis 1, every other cache and field on axis 0 (as
-  `insert_slot` documents). The engine drafts for a subset of its slots this way.
+  `insert_slot` documents). `Drafter.take_rows` of a `DrafterState` drafter.
   """
   idx = jnp.asarray(idx, jnp.int32)
   _checks.rank("idx", idx, 1, "E")
-  return DrafterState(**{
-      name: None if (f := getattr(state, name)) is None
-      else jax.tree.map(lambda x, a=_slot_axis(f): jnp.take(x, idx, axis=a), f)
-      for name in DrafterState._fields})
+  return _take_rows(state, _state_axes(state), idx)
 
 
 def put_slots(batched: DrafterState, sub: DrafterState, idx: jax.typing.ArrayLike,
@@ -327,19 +399,7 @@ def put_slots(batched: DrafterState, sub: DrafterState, idx: jax.typing.ArrayLik
   idx = jnp.asarray(idx, jnp.int32)
   keep = jnp.asarray(keep, bool)
   _checks.shape("keep", keep, idx.shape, "E")
-
-  def put(b, s, axis):
-    # Rows that do not keep scatter their slot's own values back (a no-op write).
-    old = jnp.take(b, idx, axis=axis)
-    mask = keep.reshape((1,) * axis + keep.shape + (1,) * (b.ndim - axis - 1))
-    new = jnp.where(mask, s.astype(b.dtype), old)
-    index = (slice(None),) * axis + (idx,)
-    return b.at[index].set(new)
-
-  return DrafterState(**{
-      name: None if (b := getattr(batched, name)) is None
-      else jax.tree.map(lambda x, y, a=_slot_axis(b): put(x, y, a), b, getattr(sub, name))
-      for name in DrafterState._fields})
+  return _put_rows(batched, sub, _state_axes(batched), idx, keep)
 
 
 class DraftOutput(NamedTuple):
@@ -362,23 +422,190 @@ class DraftOutput(NamedTuple):
 
 
 class Drafter(NamedTuple):
-  """A drafter kind: metadata and its three pure functions (see module docstring)."""
+  """A drafter as the engine calls it (the protocol; see the module docstring).
+
+  Fields: metadata and the pure functions the drafter's author writes. Methods: the verbs
+  the engine calls, built on the fields; the engine calls nothing else of a drafter, so a
+  drafter of the user's own is served like av_jax's. Hashable (the engine is a jit-static
+  argument): build one per drafter, not per call.
+  """
   kind: str              # one of KINDS, or the name of a user's own drafter
   drafting: str          # "autoregressive" or "parallel" (`DRAFTING[kind]`)
   init_state: Callable   # (params, target_params, *, prompt, prompt_hidden, next_token, K,
-                         #  max_len, prompt_lens=None) -> DrafterState
+                         #  max_len, prompt_lens=None) -> state
   draft: Callable        # (params, target_params, state, key, *, K, temperature, top_p)
                          #  -> DraftOutput
-  commit: Callable       # (state, *, emitted_tokens, num_emitted, target_hidden) -> DrafterState
+  commit: Callable       # (state, *, emitted_tokens, num_emitted, target_hidden) -> state
   stepwise: bool = False  # `draft` takes `keep_fn` / `keep_init` (early stop by depth)
-  # (params, target_params, state) -> state whose cache holds the pending block, or None
-  # (see the module docstring; needed to skip drafting a drafter with a cache)
+  # (params, target_params, state) -> state whose cache holds the pending block, or None:
+  # a `DrafterState` drafter with a cache needs it to skip rows (`skips`), and with it
+  # the rows that skip keep a backlog (lazy catch-up; see the module docstring).
   absorb: Callable | None = None
+  # A step may leave rows out of drafting (subset drafting): those rows catch up on the
+  # token the target emitted for them (`catch_up_rows`). False: every step that drafts
+  # drafts every active row.
+  skips: bool = False
+  # Where each leaf of the state holds its row (the slot): an int for every leaf, or a
+  # pytree prefix of the state giving one per subtree (`{"cache": 1, "last": 0}`). None:
+  # the state is a `DrafterState` (a `KVCache` cache's leaves on axis 1, others on 0).
+  slot_axis: Any = None
+  # (params, target_params, state, *, token [B], hidden [B, D], mask [B]) -> state: the
+  # rows in `mask` emitted `token` without drafting (`hidden`: the target hidden state
+  # that predicted it); other rows unchanged. Required with `skips` for a state of the
+  # author's own layout (`slot_axis` given); a `DrafterState` catches up by `catch_up`.
+  catch_up: Callable | None = None
 
+  # ------------------------------------------------ the verbs the engine calls
+
+  @property
+  def skips_rows(self) -> bool:
+    """A step may leave rows out of drafting: the drafter declares `skips` and its rows
+    can catch up (its `catch_up`; a `DrafterState`'s: a parallel drafter, or `absorb`,
+    `can_skip`). A `DrafterState` drafter with a cache and no `absorb` drafts every row."""
+    if not self.skips:
+      return False
+    return self.catch_up is not None if self.slot_axis is not None else can_skip(self)
+
+  @property
+  def backlog(self) -> bool:
+    """The rows that skip drafting keep the committed tokens pending until they draft
+    again (lazy catch-up): a `DrafterState` drafter with `skips` and `absorb`. The
+    engine then `start`s states `Programs.drafter_backlog` columns wide."""
+    return self.skips_rows and self.slot_axis is None and self.absorb is not None
+
+  def check(self) -> None:
+    """Raises a ValueError where the fields do not fit together (`make_engine` calls
+    it): `skips` without `catch_up` for a state of the author's own layout, `catch_up`
+    on a `DrafterState`, `absorb` on a state of the author's own layout."""
+    name = f"drafter {self.kind!r}"
+    if self.drafting not in ("autoregressive", "parallel"):
+      raise ValueError(f"{name}: drafting must be 'autoregressive' or 'parallel', got "
+                       f"{self.drafting!r}")
+    try:
+      hash(self.slot_axis)
+    except TypeError:
+      raise ValueError(f"{name}: slot_axis must be hashable (the engine is a jit-static "
+                       f"argument): an int or a NamedTuple of ints, got "
+                       f"{self.slot_axis!r}") from None
+    if self.slot_axis is None:
+      if self.catch_up is not None:
+        raise ValueError(f"{name}: `catch_up` is for a state of the drafter's own layout "
+                         "(give `slot_axis`); a DrafterState catches up by `absorb`")
+    else:
+      if self.absorb is not None:
+        raise ValueError(f"{name}: `absorb` is for a DrafterState (slot_axis None)")
+      if self.skips and self.catch_up is None:
+        raise ValueError(f"{name}: `skips` with a state of its own layout needs `catch_up`")
+
+  def start(self, params, target_params, *, width: int, **inputs):
+    """`init_state(params, target_params, **inputs)` (B new rows, or one for a prefill)
+    with `width` pending columns (`widen`; K + 1 unless `backlog`)."""
+    state = self.init_state(params, target_params, **inputs)
+    return state if self.slot_axis is not None else widen(state, width)
+
+  def _axes(self, state):
+    """The slot axis of every leaf of `state` (a pytree of ints of its structure)."""
+    if self.slot_axis is None:
+      return _state_axes(state)
+    return jax.tree.map(lambda a, sub: jax.tree.map(lambda _: a, sub), self.slot_axis, state)
+
+  def insert_row(self, state, one, slot: jax.Array):
+    """`state` with row `slot` replaced by the one-row state `one` (a prefill's)."""
+    return _insert_row(state, one, self._axes(state), slot)
+
+  def take_rows(self, state, idx: jax.typing.ArrayLike):
+    """Rows `idx [E]` of `state`, in that order: a state of E rows."""
+    idx = jnp.asarray(idx, jnp.int32)
+    _checks.rank("idx", idx, 1, "E")
+    return _take_rows(state, self._axes(state), idx)
+
+  def put_rows(self, state, rows, idx: jax.typing.ArrayLike, keep: jax.typing.ArrayLike):
+    """`state` with rows `idx [E]` (distinct) replaced by the E-row `rows` where
+    `keep [E]`; rows that do not keep are left untouched."""
+    idx, keep = jnp.asarray(idx, jnp.int32), jnp.asarray(keep, bool)
+    _checks.shape("keep", keep, idx.shape, "E")
+    return _put_rows(state, rows, self._axes(state), idx, keep)
+
+  def keep_rows(self, new, old, mask: jax.Array):
+    """`new` in the rows where `mask [B]`, `old` in the others. A `DrafterState`'s cache
+    is `new`'s whole (`keep_inactive`: entries above a row's consumed prefix are never
+    read, so no row of it needs a merge)."""
+    if self.slot_axis is None:
+      return keep_inactive(new, old, mask)
+    return _where_rows(new, old, self._axes(new), mask)
+
+  def draft_rows(self, params, target_params, state, key: jax.Array, *,
+                 rows: jax.Array | None, keep: jax.Array, K: int, **kwargs):
+    """Drafts for rows `rows [E]` of `state` (None: every row, in order): takes them,
+    absorbs any backlog (`settle`) and drafts K tokens (`draft(..., K=K, **kwargs)`:
+    `temperature`, `top_p`, and `keep_fn` / `keep_init` where `stepwise`).
+
+    Returns `(out, update)`: the E rows' `DraftOutput`, and what `write_back` writes into
+    `state`: the new state of the rows where `keep [E]` (their backlog absorbed, their
+    cache drafted), other rows untouched. Every `rows` gives an update of one structure
+    and shape (so does `unchanged`): the engine's branches over draft buckets return it
+    and write it after its `lax.switch`. With a `KVCache` cache and a backlog it holds
+    only the cache entries the rows wrote (`read_window`), so the cache is written in
+    place, never copied by the switch.
+    """
+    return _draft_rows(self, params, target_params, state, key, rows=rows, keep=keep, K=K,
+                       **kwargs)
+
+  def full_rows(self, state, *, K: int) -> jax.Array | None:
+    """`[B]` bool, the rows whose backlog is full: the engine settles them this step
+    (`settle_rows`, or `draft_rows` with `keep`) even if they do not draft, and
+    `catch_up_rows` then never absorbs. None: `catch_up_rows` absorbs a full block
+    itself (no backlog written in place)."""
+    if not _windowed(self, state, K):
+      return None
+    return state.num_pending >= state.tokens.shape[1]
+
+  def settle_rows(self, params, target_params, state, *, rows: jax.Array | None,
+                  keep: jax.Array, K: int):
+    """`draft_rows`' update without drafting: rows `rows [E]` (None: every row) where
+    `keep [E]` absorb their backlog. Only where `full_rows` is not None."""
+    return _settle_rows(self, params, target_params, state, rows=rows, keep=keep, K=K)
+
+  def unchanged(self, state, *, K: int):
+    """The update that writes nothing (a step that drafts for no row)."""
+    if not _windowed(self, state, K):
+      return state
+    B = state.tokens.shape[0]
+    return _Written(_empty_window(state.cache, rows=B, width=state.tokens.shape[1] + 1),
+                    _pending_counts(state), jnp.zeros((B,), bool))
+
+  def write_back(self, state, update, *, K: int):
+    """`state` with an update of `draft_rows`, `settle_rows` or `unchanged` written."""
+    if not _windowed(self, state, K):
+      return update
+    return _write_back(state, update)
+
+  def commit_rows(self, state, *, emitted_tokens: jax.Array, num_emitted: jax.Array,
+                  target_hidden: jax.Array):
+    """`commit` of every row (a `DrafterState` wider than K + 1 is committed narrowed to
+    K + 1 columns and widened back: its drafting rows hold no backlog)."""
+    commit = functools.partial(self.commit, emitted_tokens=emitted_tokens,
+                               num_emitted=num_emitted, target_hidden=target_hidden)
+    K1 = jnp.shape(emitted_tokens)[1]
+    if self.slot_axis is not None or state.tokens.shape[1] == K1:
+      return commit(state)
+    return widen(commit(narrow(state, K1)), state.tokens.shape[1])
+
+  def catch_up_rows(self, params, target_params, state, *, token: jax.Array,
+                    hidden: jax.Array, mask: jax.Array, K: int):
+    """The rows in `mask [B]` emitted `token [B]` without drafting (`hidden [B, D]`: the
+    target hidden state that predicted it): `catch_up` (the author's for a state of its
+    own layout; av_jax's `catch_up` for a `DrafterState`). Needs `skips_rows`."""
+    if self.slot_axis is not None:
+      return self.catch_up(params, target_params, state, token=token, hidden=hidden,
+                           mask=mask)
+    return catch_up(self, params, target_params, state, token=token, hidden=hidden,
+                    mask=mask, absorb=not _windowed(self, state, K))
 
 def can_skip(drafter: Drafter) -> bool:
-  """Whether steps may skip drafting for `drafter` (`catch_up` keeps it current): a
-  parallel drafter (no cache, by the protocol) or one with `absorb`."""
+  """Whether `catch_up` can keep a `DrafterState` drafter current on steps it does not
+  draft: a parallel drafter (no cache, by the protocol) or one with `absorb`. The engine
+  skips rows of a drafter that also declares `Drafter.skips` (`Drafter.skips_rows`)."""
   return drafter.drafting == "parallel" or drafter.absorb is not None
 
 
@@ -448,6 +675,104 @@ def catch_up(drafter: Drafter, params, target_params, state: DrafterState, *,
       num_pending=at + 1,
       position=jnp.where(full, state.position + state.num_pending, state.position))
   return keep_inactive(new, state, mask)
+
+
+# ------------------------------------------------- rows of a DrafterState, in place
+
+
+class _Written(NamedTuple):
+  """The update of a `DrafterState` with a `KVCache` cache and a backlog that a draft
+  bucket's branch returns (`Drafter.draft_rows`): the cache entries its rows wrote,
+  written after the switch (`write_window`), and the rows' pending counts; the pending
+  block `[B, P(, D)]` stays out of the switch too (a settled row's newest entry moves to
+  column 0, redone after it: `_write_back`)."""
+  window: CacheWindow         # B rows (rows that write nothing start at M)
+  rows: DrafterState          # num_pending [B] and position [B]; cache, tokens, hidden None
+  settled: jax.Array          # [B] bool, the rows that absorbed a backlog
+
+
+def _windowed(drafter: Drafter, state, K: int) -> bool:
+  """A `DrafterState` with a `KVCache` cache and a backlog (wider than K + 1): the
+  engine's branches return the entries its rows write, written after the switch."""
+  return (drafter.slot_axis is None and isinstance(state.cache, transformer.KVCache)
+          and state.tokens.shape[1] > K + 1)
+
+
+def _pending_counts(state: DrafterState) -> DrafterState:
+  return state._replace(cache=None, tokens=None, hidden=None)
+
+
+def _empty_window(cache: transformer.KVCache, *, rows: int, width: int) -> CacheWindow:
+  """A window of `rows` rows that writes nothing."""
+  z = jnp.zeros(window_shape(cache, rows=rows, width=width), cache.k.dtype)
+  return CacheWindow(z, z, jnp.zeros((rows,), jnp.int32),
+                     jnp.full((rows,), transformer.cache_len(cache), jnp.int32))
+
+
+def _written(state: DrafterState, window: CacheWindow, new: DrafterState,
+             rows: jax.Array | None, keep: jax.Array, settled: jax.Array) -> _Written:
+  """The update of rows `rows [E]` (None: every row) of `state`: `window` padded to B
+  rows, `new`'s pending counts where `keep [E]`, and `settled [E]` as B rows."""
+  if rows is None:
+    return _Written(window, keep_inactive(_pending_counts(new), _pending_counts(state),
+                                          keep), settled)
+  B, E = state.tokens.shape[0], rows.shape[0]
+  if E < B:  # every branch returns B rows
+    pad = _empty_window(state.cache, rows=B - E, width=window.k.shape[2])
+    window = CacheWindow(*(jnp.concatenate([a, b], axis=1 if a.ndim > 1 else 0)
+                           for a, b in zip(window, pad)))
+  return _Written(window, put_slots(_pending_counts(state), _pending_counts(new), rows, keep),
+                  jnp.zeros((B,), bool).at[rows].set(settled))
+
+
+def _draft_rows(drafter: Drafter, params, target_params, state, key: jax.Array, *,
+                rows: jax.Array | None, keep: jax.Array, K: int, **kwargs):
+  """`Drafter.draft_rows`."""
+  sub = state if rows is None else drafter.take_rows(state, rows)
+  if drafter.slot_axis is not None:  # a state of the author's layout: no backlog
+    out = drafter.draft(params, target_params, sub, key, K=K, **kwargs)
+    return out, (drafter.keep_rows(out.state, state, keep) if rows is None
+                 else drafter.put_rows(state, out.state, rows, keep))
+  width = state.tokens.shape[1]
+  start, pending = sub.position, sub.num_pending
+  # Lazy catch-up: a row first absorbs its backlog.
+  sub = settle(drafter, params, target_params, sub, width=K + 1)
+  out = drafter.draft(params, target_params, sub, key, K=K, **kwargs)
+  new = widen(out.state, width)
+  if not _windowed(drafter, state, K):
+    return out, (keep_inactive(new, state, keep) if rows is None
+                 else put_slots(state, new, rows, keep))
+  # The entries the rows wrote (`width + 1` positions from `window_start`), written after
+  # the caller's switch: a cache a branch returns is copied whole (XLA's copy insertion).
+  idx = jnp.arange(state.tokens.shape[0], dtype=jnp.int32) if rows is None else rows
+  window = read_window(new.cache, slot=idx,
+                       start=jnp.where(keep, window_start(start),
+                                       transformer.cache_len(state.cache)),
+                       width=width + 1)
+  return out, _written(state, window, new, rows, keep, keep & (pending > K + 1))
+
+
+def _settle_rows(drafter: Drafter, params, target_params, state: DrafterState, *,
+                 rows: jax.Array | None, keep: jax.Array, K: int) -> _Written:
+  """`Drafter.settle_rows`: one absorb over the rows, no drafter pass."""
+  sub = state if rows is None else take_slots(state, rows)
+  idx = jnp.arange(state.tokens.shape[0], dtype=jnp.int32) if rows is None else rows
+  settled, window = settle(drafter, params, target_params, sub, width=K + 1, window=True)
+  window = window._replace(slot=idx, start=jnp.where(keep, window.start,
+                                                     transformer.cache_len(state.cache)))
+  return _written(state, window, settled, rows, keep, keep & (sub.num_pending > K + 1))
+
+
+def _write_back(state: DrafterState, update: _Written) -> DrafterState:
+  """`state` with a `_Written` update: the window written into the cache, the settled
+  rows' newest pending entry moved to column 0 (what `settle` did in the branch)."""
+  B = state.tokens.shape[0]
+  newest, rows = state.num_pending - 1, jnp.arange(B)
+  first = lambda x: x.at[rows, 0].set(jnp.where(
+      update.settled.reshape((B,) + (1,) * (x.ndim - 2)), x[rows, newest], x[:, 0]))
+  return DrafterState(cache=write_window(state.cache, update.window),
+                      tokens=first(state.tokens), hidden=first(state.hidden),
+                      num_pending=update.rows.num_pending, position=update.rows.position)
 
 
 # ----------------------------------------------------------------------------- modules
@@ -729,7 +1054,7 @@ def _make_draft_lm(cfg: ModelsConfig) -> Drafter:
     return state._replace(cache=out.cache)
 
   return Drafter("draft_lm", DRAFTING["draft_lm"], init_state, draft, commit, stepwise=True,
-                 absorb=absorb)
+                 absorb=absorb, skips=True)
 
 
 # --------------------------------------------------------------------------------- eagle
@@ -804,7 +1129,7 @@ def _make_eagle(cfg: ModelsConfig) -> Drafter:
     return state._replace(cache=cache)
 
   return Drafter("eagle", DRAFTING["eagle"], init_state, draft, commit, stepwise=True,
-                 absorb=absorb)
+                 absorb=absorb, skips=True)
 
 
 # --------------------------------------------------------------------------------- block
@@ -833,7 +1158,7 @@ def _make_block(cfg: ModelsConfig, kind: str) -> Drafter:
     toks, log_probs = sample_with_log_probs(key, logits, temperature=temperature, top_p=top_p)
     return DraftOutput(logits, toks, None if conf is None else conf[:, :K], state, log_probs)
 
-  return Drafter(kind, DRAFTING[kind], init_state, draft, commit)
+  return Drafter(kind, DRAFTING[kind], init_state, draft, commit, skips=True)
 
 
 @functools.lru_cache(maxsize=64)

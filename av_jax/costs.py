@@ -470,12 +470,14 @@ class ModelShape:
     return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.kv_element_bytes
 
 
-def shape_from_config(name: str, cfg, *, source: str = "") -> ModelShape:
-  """The shape of an av_jax `TransformerConfig` (float32, tied embedding, no GQA)."""
+def shape_from_config(name: str, cfg, *, source: str = "",
+                      kv_dtype: str = "float32") -> ModelShape:
+  """The shape of an av_jax `TransformerConfig` (float32 weights, tied embedding, no GQA)
+  with a KV cache of `kv_dtype` (`ModelsConfig.kv_dtype`)."""
   return ModelShape(name=name, num_layers=cfg.num_layers, d_model=cfg.d_model,
                     mlp_dim=cfg.mlp_dim, num_heads=cfg.num_heads, num_kv_heads=cfg.num_heads,
                     head_dim=cfg.head_dim, vocab_size=cfg.vocab_size, dtype="float32",
-                    tied_embedding=True, source=source)
+                    kv_bytes=DTYPE_BYTES[kv_dtype], tied_embedding=True, source=source)
 
 
 def shipped_shapes(config) -> dict[str, ModelShape]:
@@ -490,10 +492,10 @@ def shipped_shapes(config) -> dict[str, ModelShape]:
   cfg = load_config(config) if isinstance(config, str) else config
   name = cfg.name
   src = f"configs/models/{name}.toml" if isinstance(config, str) else f"model set {name!r}"
-  target = shape_from_config(name, cfg.target, source=f"{src} [target]")
+  target = shape_from_config(name, cfg.target, source=f"{src} [target]", kv_dtype=cfg.kv_dtype)
   d, vocab = cfg.target.d_model, cfg.target.vocab_size
   common = dict(d_model=d, vocab_size=vocab, dtype="float32", tied_embedding=True,
-                input_proj_dim=2 * d)
+                input_proj_dim=2 * d, kv_bytes=DTYPE_BYTES[cfg.kv_dtype])
   eagle = ModelShape(name=f"{name}-eagle", num_layers=1, mlp_dim=cfg.eagle.mlp_dim,
                      num_heads=cfg.eagle.num_heads, num_kv_heads=cfg.eagle.num_heads,
                      head_dim=cfg.eagle.head_dim, head_rank=cfg.eagle.head_rank,
@@ -505,7 +507,8 @@ def shipped_shapes(config) -> dict[str, ModelShape]:
                      source=f"{src} [block]", **common)
   return {name: target,
           f"{name}-draft_lm": shape_from_config(f"{name}-draft_lm", cfg.draft_lm,
-                                                source=f"{src} [draft_lm]"),
+                                                source=f"{src} [draft_lm]",
+                                                kv_dtype=cfg.kv_dtype),
           f"{name}-eagle": eagle, f"{name}-block": block,
           f"{name}-block_head": dataclasses.replace(block, name=f"{name}-block_head")}
 
@@ -607,10 +610,14 @@ class Implementation:
 
 
 # av_jax's sampling of the [T, V] logits: log-softmax (read, write), exp to probs (read,
-# write), and with top-p < 1 the nucleus bisection: 31 fused masked sums over the probs
-# (`features._top_p_mask`), each a read.
+# write), and with top-p < 1 the nucleus search (`sampling._top_p_mask`), each pass a read:
+# 12 bisection steps of a masked sum that bracket the threshold, a count of the bracket
+# and `lax.top_k` of it. A bracket holding more than 32 probabilities adds a sum and a
+# count per further step: none on the shipped model's logits, 3 steps for near-uniform rows
+# over 32000 tokens. The search runs over row blocks of 1 MiB, so on a CPU its passes
+# after the first read cached rows; they are charged at memory rate all the same.
 _SOFTMAX_PASSES = 4.0
-_TOP_P_BISECTION_PASSES = 31.0
+_TOP_P_SEARCH_PASSES = 14.0
 
 IMPLEMENTATIONS: dict[str, Implementation] = {
     "fused": Implementation(
@@ -621,13 +628,14 @@ IMPLEMENTATIONS: dict[str, Implementation] = {
                "active requests."),
     "av_jax": Implementation(
         name="av_jax", kv_reads="per_request", kv_passes=1.0, copies_cache=True,
-        sampling_passes=_SOFTMAX_PASSES + _TOP_P_BISECTION_PASSES, drafts_all_slots=True,
+        sampling_passes=_SOFTMAX_PASSES + _TOP_P_SEARCH_PASSES, drafts_all_slots=True,
         source="av_jax's XLA programs as `av-jax profile` times them: attention reads each "
                "slot's heads-major cache once per pass, over the live-length bucket "
                "(`models.layers.length_buckets`), after copying those positions of every "
                "slot per layer (XLA:CPU materialises the slice its products read); the new "
                "keys and values are scattered into the donated cache in place; top-p "
-               "sampling by bisection; the drafter runs all B slots."),
+               "sampling by a bracketing search (12 masked sums, a count, a top-k); the "
+               "drafter runs all B slots."),
 }
 
 

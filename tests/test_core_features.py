@@ -195,7 +195,7 @@ def test_logit_qmax_fused_with_its_producer_under_jit(V):
 
 
 @pytest.mark.parametrize("top_p", [0.05, 0.5, 0.9, 0.95, 0.999])
-def test_top_p_bisection_equals_sort_definition(maybe_jit, top_p):
+def test_top_p_mask_equals_sort_definition(maybe_jit, top_p):
   rng = np.random.default_rng(int(top_p * 1000))
   logits = np.concatenate([
       rng.normal(size=(30, 300)) * rng.uniform(0.1, 8.0, size=(30, 1)),

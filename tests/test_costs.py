@@ -131,6 +131,19 @@ def test_shipped_shapes_follow_the_config_and_count_the_real_parameters():
   total = sum(int(np.prod(x.shape)) for _, x in leaves)
   assert shape.num_params == total - norms  # tied embedding, RMSNorm gains left out
   assert costs.get_shape("tiny-block").num_layers == cfg.block.num_layers
+  # The KV cache is the config's `kv_dtype`: float32 by default, bfloat16 halves it.
+  assert shape.kv_element_bytes == 4.0
+  bf16 = costs.shipped_shapes(dataclasses.replace(cfg, kv_dtype="bfloat16"))
+  for name in ("tiny", "tiny-draft_lm", "tiny-eagle"):
+    full = costs.get_shape(name)
+    assert bf16[name].kv_bytes_per_position * 2 == full.kv_bytes_per_position
+    assert bf16[name].param_bytes == full.param_bytes  # the weights stay float32
+
+
+def test_av_jax_sampling_passes_are_the_programs_passes():
+  # log-softmax and exp (a read and a write each), then the top-p search: 12 bisection
+  # sums bracketing the threshold, one count of the bracket and one top-k read of it.
+  assert costs.IMPLEMENTATIONS["av_jax"].sampling_passes == 4 + 12 + 1 + 1
 
 
 def test_unknown_names_list_the_known_ones():

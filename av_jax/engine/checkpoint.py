@@ -22,6 +22,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from av_jax.engine import core
+from av_jax.models import config as models_config
 
 META = "av_jax_meta.json"
 FORMAT = 2
@@ -39,7 +40,7 @@ def engine_identity(engine: core.Engine) -> dict:
   programs.pop("record_features")  # what StepInfo records, not the state
   # av_jax's own models by their config; a user's own target (`engine.models` None) by its
   # protocol name (`av_jax.engine.Target.name`).
-  models = (json.dumps(dataclasses.asdict(engine.models), sort_keys=True, default=str)
+  models = (json.dumps(models_config.identity(engine.models), sort_keys=True, default=str)
             if engine.models is not None else f"target:{engine.target.name}")
   return dict(format=FORMAT, drafter=engine.drafter.kind, policy=engine.policy,
               num_slots=engine.config.num_slots, max_draft=engine.config.max_draft,

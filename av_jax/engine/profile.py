@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from av_jax.engine import batching, core
+from av_jax.models import config as models_config
 from av_jax.profiling import bounded_buckets
 from av_jax.profiling import median_ms as _median_ms
 from av_jax.profiling import step_cost_model
@@ -428,7 +429,7 @@ def cache_key(engine: core.Engine) -> str:
   cfg = dataclasses.asdict(engine.config)
   cfg["programs"].pop("steps_per_chunk")
   # av_jax's model set by its config; a target of the user's own by its name.
-  models = (engine.target.name if engine.models is None else dataclasses.asdict(engine.models))
+  models = (engine.target.name if engine.models is None else models_config.identity(engine.models))
   # How the target's verify pass attends (per slot or per token) changes every bucket's
   # time: a target that toggles it gets a profile of its own.
   blob = json.dumps([PROFILE_VERSION, jax.devices()[0].device_kind, cfg, models,

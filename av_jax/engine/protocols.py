@@ -48,7 +48,7 @@ import jax
 import jax.numpy as jnp
 
 from av_jax.models import transformer
-from av_jax.models.config import ModelsConfig
+from av_jax.models.config import ModelsConfig, kv_cache_dtype
 
 
 class TargetOutput(NamedTuple):
@@ -125,13 +125,14 @@ def transformer_target(models: ModelsConfig) -> Target:
   """av_jax's transformer (`models.target`) as a `Target`.
 
   Cached: equal configs give the same object, so engines built from equal model sets
-  compile once. The cache is a `KVCache` `[L, B, H, M, Dh]` (slots on axis 1); `hidden`
-  is the final hidden state after the final norm, which the EAGLE and block drafters read.
+  compile once. The cache is a `KVCache` `[L, B, H, M, Dh]` (slots on axis 1) of
+  `models.kv_dtype`; `hidden` is the final hidden state after the final norm, which the
+  EAGLE and block drafters read.
   """
   cfg = models.target
 
   def init_cache(num_slots, max_len):
-    return transformer.init_cache(cfg, num_slots, max_len)
+    return transformer.init_cache(cfg, num_slots, max_len, kv_cache_dtype(models))
 
   def verify(params, cache, *, tokens, slot, positions, valid):
     out = transformer.forward_packed(params, tokens, slot=slot, positions=positions,
@@ -155,6 +156,8 @@ def transformer_target(models: ModelsConfig) -> Target:
                                     valid=valid)
 
   name = "av_jax.transformer " + json.dumps(dataclasses.asdict(cfg), sort_keys=True)
+  if models.kv_dtype != "float32":  # the float32 name is the one it had before the setting
+    name += f" kv_dtype={models.kv_dtype}"
   return Target(name=name, vocab_size=cfg.vocab_size, hidden_size=cfg.d_model,
                 init_cache=init_cache, verify=verify, prefill=prefill, slot_axis=1,
                 verify_read=verify_read, write=write, write_axis=1, verify_read_width=True)

@@ -14,6 +14,8 @@ import os
 import tomllib
 from typing import Any
 
+import jax.numpy as jnp
+
 from av_jax.data.workloads import DataConfig
 from av_jax.models import checkpoint
 
@@ -105,6 +107,22 @@ class ModelsConfig:
   train_drafters: TrainConfig  # joint distillation of draft_lm, eagle and block
   train_head: HeadTrainConfig
   measure: MeasureConfig
+  kv_dtype: str = "float32"    # KV-cache element type of the target and the drafters
+
+  def __post_init__(self):
+    if self.kv_dtype not in KV_DTYPES:
+      raise ValueError(f"kv_dtype: expected one of {sorted(KV_DTYPES)}, got {self.kv_dtype!r}")
+
+
+# The KV-cache element types a model set may use. The cache stores keys and values in this
+# type and attention upcasts what it reads to float32: bfloat16 halves the cache's bytes
+# (and the bytes attention reads) at ~3 significant digits per entry; float32 is exact.
+KV_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def kv_cache_dtype(cfg: ModelsConfig):
+  """The jnp dtype of `cfg.kv_dtype`."""
+  return KV_DTYPES[cfg.kv_dtype]
 
 
 def _build(cls, raw: dict[str, Any]):
@@ -137,6 +155,7 @@ def from_dict(raw: dict[str, Any]) -> ModelsConfig:
       train_drafters=_build(TrainConfig, raw["train_drafters"]),
       train_head=_build(HeadTrainConfig, raw["train_head"]),
       measure=_build(MeasureConfig, raw.get("measure", {})),
+      kv_dtype=raw.get("kv_dtype", "float32"),
   )
 
 
@@ -151,6 +170,16 @@ def load_config(name_or_path: str) -> ModelsConfig:
 
 def to_dict(cfg) -> dict[str, Any]:
   return dataclasses.asdict(cfg)
+
+
+def identity(cfg: ModelsConfig) -> dict[str, Any]:
+  """`to_dict(cfg)` without the settings at the value every config had before the setting
+  existed (`kv_dtype` "float32"): what identifies a model set in engine checkpoints and
+  cached profiles, unchanged for the configs saved before it."""
+  d = to_dict(cfg)
+  if d.get("kv_dtype") == "float32":
+    del d["kv_dtype"]
+  return d
 
 
 # Fields added after checkpoints were shipped, with the value those checkpoints were built

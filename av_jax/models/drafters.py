@@ -141,7 +141,8 @@ import jax.numpy as jnp
 
 from av_jax import _checks
 from av_jax.models import transformer
-from av_jax.models.config import BlockConfig, EagleConfig, ModelsConfig, TransformerConfig
+from av_jax.models.config import (BlockConfig, EagleConfig, ModelsConfig, TransformerConfig,
+                                  kv_cache_dtype)
 from av_jax.models.layers import Block, LayerKV, RMSNorm
 from av_jax.models.sampling import sample_with_log_probs
 
@@ -1013,7 +1014,7 @@ def _make_draft_lm(cfg: ModelsConfig) -> Drafter:
                                                            prompt_lens)
     batch, length = prompt.shape
     positions = jnp.broadcast_to(jnp.arange(length), prompt.shape)
-    cache = transformer.init_cache(lm_cfg, batch, max_len)
+    cache = transformer.init_cache(lm_cfg, batch, max_len, kv_cache_dtype(cfg))
     cache = transformer.forward(params, prompt, positions, cache, cfg=lm_cfg,
                                 valid=positions < lens[:, None]).cache
     tokens, hidden = _pending_from_prompt(prompt_hidden, next_token, lens, K)
@@ -1078,7 +1079,7 @@ def _make_eagle(cfg: ModelsConfig) -> Drafter:
     prompt, prompt_hidden, next_token, lens = _init_inputs(prompt, prompt_hidden, next_token,
                                                            prompt_lens)
     batch, length = prompt.shape
-    cache = transformer.init_cache(one_layer, batch, max_len)
+    cache = transformer.init_cache(one_layer, batch, max_len, kv_cache_dtype(cfg))
     # The pair (h_{t-1}, x_t) of sequence position t >= 1 lives at head position t - 1, so
     # every head-cache entry at or below a query's position is written (RoPE makes the
     # shift invisible to the outputs).

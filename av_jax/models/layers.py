@@ -24,6 +24,10 @@ Attention runs in one of four modes, chosen statically:
   the live positions only (`_attend_slotted_read`).
 * `bidirectional`: no cache, no mask (the block drafter's K query slots).
 
+The cache may store a narrower type than the computation (`ModelsConfig.kv_dtype`): every
+mode attends to keys and values as the cache stores them, upcast to the queries' float32
+(`_read`), this pass's own entries included, so all modes read the same values.
+
 Writes at position >= M are dropped: callers mark invalid (padding) tokens by writing at
 position M. Entries of a slot above the current position are never read, so stale K/V
 left by rejected drafts needs no clearing; they are overwritten when that position is
@@ -98,11 +102,20 @@ def _attend(q, k, v, mask):
 
 def _attend_cache(q, k, v, mask):
   """`_attend` of queries `q [B, S, H, Dh]` to a heads-major cache `k, v [B, H, M, Dh]`
-  under `mask [B, S, M]`: batched over (slot, head) with no transpose of the cache."""
+  under `mask [B, S, M]`: batched over (slot, head) with no transpose of the cache. Cache
+  entries are read in the queries' dtype (`_read`)."""
+  k, v = _read(k, q), _read(v, q)
   scores = jnp.einsum("bqhd,bhkd->bhqk", q, k) / jnp.sqrt(q.shape[-1]).astype(q.dtype)
   scores = jnp.where(mask[:, None], scores, _MASKED)
   weights = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(v.dtype)
   return jnp.einsum("bhqk,bhkd->bqhd", weights, v)
+
+
+def _read(entries, q):
+  """Cache `entries` in the dtype of the queries `q`: a cache stored in a narrower type
+  (`ModelsConfig.kv_dtype`) is upcast where attention reads it, so the products and the
+  softmax run in float32 whatever the cache holds (a no-op for a float32 cache)."""
+  return entries.astype(q.dtype)
 
 
 def _entries(cache_leaf, rows, positions, values):
@@ -131,7 +144,7 @@ def _attend_packed_read(q, k, v, cache: LayerKV, *, slot, positions, write_posit
   new = (valid[None, :] & (slot[None, :] == slot[:, None])
          & (positions[None, :] <= positions[:, None]))                          # [T, T]
   scale = jnp.sqrt(q.shape[-1]).astype(q.dtype)
-  keys, values = cache.k[slot], cache.v[slot]                                    # [T, H, M, Dh]
+  keys, values = _read(cache.k[slot], q), _read(cache.v[slot], q)                # [T, H, M, Dh]
   s_old = jnp.einsum("thd,thmd->thm", q, keys) / scale
   s_new = jnp.einsum("thd,uhd->thu", q, k) / scale
   scores = jnp.concatenate([jnp.where(old[:, None, :], s_old, _MASKED),
@@ -215,7 +228,7 @@ def _attend_slotted_read(q, k, v, cache: LayerKV, *, slot, positions, write_posi
     def run(cache_k, cache_v):
       if layer is not None:
         cache_k, cache_v = cache_k[layer], cache_v[layer]
-      ck, cv = cache_k[:, :, :m], cache_v[:, :, :m]                  # [B, H, m, Dh]
+      ck, cv = _read(cache_k[:, :, :m], q), _read(cache_v[:, :, :m], q)  # [B, H, m, Dh]
       wr = written[:, :m]
       # Part A: each slot's first token, to its cache and itself.
       p0 = P[:, :1]
@@ -316,11 +329,14 @@ class Attention(nn.Module):
       mask = jnp.arange(max_len)[None, None, :] <= positions[:, None, None]  # [T, 1, M]
       out = _attend_cache(q[:, None], keys, values, mask)[:, 0]
     elif self.mode == "packed_read":
+      # This pass's entries are attended to as the cache stores them, as the modes that
+      # write before they read do: every mode reads the same values.
+      ks, vs = _read(k.astype(cache.k.dtype), q), _read(v.astype(cache.v.dtype), q)
       if self.slot_width is None:
-        out = _attend_packed_read(q, k, v, cache, slot=slot, positions=positions,
+        out = _attend_packed_read(q, ks, vs, cache, slot=slot, positions=positions,
                                   write_positions=write_positions)
       else:
-        out = _attend_slotted_read(q, k, v, cache, slot=slot, positions=positions,
+        out = _attend_slotted_read(q, ks, vs, cache, slot=slot, positions=positions,
                                    write_positions=write_positions, width=self.slot_width,
                                    layer=self.layer)
       new_cache = LayerKV(k, v)  # [T, H, Dh]: this pass's entries, to be written

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from typing import Any, NamedTuple
@@ -39,7 +40,8 @@ def load(name: str = "default", drafter: str | None = None, *,
   """Loads model set `name` with optional `drafter` kind, checking config hashes.
 
   The config is the one recorded in the target checkpoint; when `configs/models/{name}.toml`
-  exists it must produce the same hashes (a retrained or edited config is caught).
+  exists it must produce the same hashes (a retrained or edited config is caught), and its
+  `kv_dtype` (which no checkpoint depends on) is used.
 
   Args:
     name: model set name.
@@ -71,6 +73,8 @@ def load(name: str = "default", drafter: str | None = None, *,
     if config_hash(file_cfg, "target") != config_hash(cfg, "target"):
       raise ValueError(f"{target_path} was trained under a config that differs from {toml}; "
                        "retrain or restore the config")
+    # Settings that do not change a checkpoint (the KV-cache dtype) come from the file.
+    cfg = dataclasses.replace(cfg, kv_dtype=file_cfg.kv_dtype)
   _check(target.meta, cfg, "target", tok_hash, target_path)
   d, dparams = None, None
   if drafter is not None:

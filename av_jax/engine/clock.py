@@ -1,4 +1,4 @@
-"""The modelled clock: what a deployment would pay for the steps the engine ran (issue 13).
+"""The modelled clock: what a deployment would pay for the steps the engine ran.
 
 Acceptance comes from the real models the engine runs; time comes from a deployment's
 step-cost tables (`av_jax.costs.CostTables`: a roofline of a named device and model

@@ -443,12 +443,13 @@ class Drafter(NamedTuple):
   # the rows that skip keep a backlog (lazy catch-up; see the module docstring).
   absorb: Callable | None = None
   # A step may leave rows out of drafting (subset drafting): those rows catch up on the
-  # token the target emitted for them (`catch_up_rows`). False: every step that drafts
-  # drafts every active row.
+  # token the target emitted for them (`catch_up_rows`; `skips_rows` says whether they
+  # can). False: every step that drafts drafts every active row.
   skips: bool = False
   # Where each leaf of the state holds its row (the slot): an int for every leaf, or a
-  # pytree prefix of the state giving one per subtree (`{"cache": 1, "last": 0}`). None:
-  # the state is a `DrafterState` (a `KVCache` cache's leaves on axis 1, others on 0).
+  # hashable pytree prefix of the state giving one per subtree (a NamedTuple state's own
+  # type holding ints: `MyState(cache=1, last=0)`). None: the state is a `DrafterState`
+  # (a `KVCache` cache's leaves on axis 1, every other leaf on axis 0).
   slot_axis: Any = None
   # (params, target_params, state, *, token [B], hidden [B, D], mask [B]) -> state: the
   # rows in `mask` emitted `token` without drafting (`hidden`: the target hidden state

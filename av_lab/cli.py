@@ -357,7 +357,20 @@ def _compare_args(p: argparse.ArgumentParser) -> None:
                       "there (1: every step, as a serving scheduler admits)")
   p.add_argument("--num-buckets", type=_positive_int, default=None,
                  help="verify buckets of every engine (default: the engine's)")
+  p.add_argument("--wall-cost", default="profiled", choices=("profiled", "modelled"),
+                 help="the tables AV plans with on the wall clock: profiled on this machine "
+                      "(cached on disk; noisy where other work shares it) or modelled (the "
+                      "roofline of the shipped shapes on this machine's measured rates, "
+                      "as `make demo` plans)")
   p.add_argument("--json", default=None, help="write settings and results here")
+
+
+def _wall_cost(args):
+  """`compare`'s `wall_cost` for `--wall-cost`: None profiles the tables."""
+  if args.wall_cost == "profiled":
+    return None
+  return lambda pair, engine: C.machine_tables(args.models, pair.drafter.kind,
+                                               engine.config).cost
 
 
 def cmd_compare(args) -> None:
@@ -369,7 +382,7 @@ def cmd_compare(args) -> None:
                      temperature=args.temperature, top_p=args.top_p, seed=args.seed,
                      context_len=args.context_len, warm_start=args.warm_start,
                      drafter_backlog=args.drafter_backlog, num_buckets=args.num_buckets,
-                     steps_per_chunk=args.steps_per_chunk,
+                     steps_per_chunk=args.steps_per_chunk, wall_cost=_wall_cost(args),
                      log=lambda line: print(line, flush=True))
   if args.json:
     C.write_json(args.json, result)

@@ -186,6 +186,29 @@ def test_steps_per_chunk_reaches_compare_from_the_cli(monkeypatch):
     parser.parse_args(["--steps-per-chunk", "0"])
 
 
+def test_wall_cost_picks_the_tables_av_plans_with_on_the_wall_clock(monkeypatch):
+  """`--wall-cost modelled` hands `compare` a `wall_cost` that returns
+  `machine_tables(models, drafter kind, engine config).cost`; the default (profiled)
+  hands None, so `compare` profiles; another value is refused."""
+  import argparse
+  import types
+  seen, asked = {}, []
+  monkeypatch.setattr(C, "compare", lambda **kw: seen.update(kw) or {"results": []})
+  monkeypatch.setattr(C, "machine_tables", lambda models, kind, config: asked.append(
+      (models, kind, config)) or types.SimpleNamespace(cost="the modelled cost"))
+  cli.main(["compare", "--concurrency", "2"])
+  assert seen["wall_cost"] is None
+  cli.main(["compare", "--concurrency", "2", "--wall-cost", "modelled"])
+  pair = types.SimpleNamespace(drafter=types.SimpleNamespace(kind="eagle"))
+  engine = types.SimpleNamespace(config="the engine's config")
+  assert seen["wall_cost"](pair, engine) == "the modelled cost"
+  assert asked == [("default", "eagle", "the engine's config")]
+  parser = argparse.ArgumentParser()
+  cli._compare_args(parser)
+  with pytest.raises(SystemExit):
+    parser.parse_args(["--wall-cost", "guessed"])
+
+
 def test_a_comparison_without_a_static_arm_still_prints():
   """No static arm (e.g. `--arms av,oracle`): no best static arm,
   and the table still prints (it crashed after the timing, losing the results)."""

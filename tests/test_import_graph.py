@@ -1,6 +1,6 @@
 """The import graph of `av_jax` has no cycle (module-level imports, read from the source;
 a few ms). A function-local import is allowed only with a comment saying why. The
-engine takes from the drafters' module only the `Drafter` protocol's types."""
+engine takes from the drafters' package only the `Drafter` protocol's types."""
 
 import ast
 import inspect
@@ -118,25 +118,31 @@ def test_the_library_never_imports_the_lab():
       assert not any(n.split(".")[0] == "av_lab" for n in names), (module, names)
 
 
-# What the engine may take from the drafters' module: the protocol's types (and the
+# What the engine may take from the drafters' package: the protocol's types (and the
 # constructor of av_jax's drafters). Everything else a drafter does, the engine asks of
 # it through `Drafter`'s verbs.
 ENGINE_DRAFTER_NAMES = {"Drafter", "DrafterState", "DraftOutput", "make_drafter"}
 
 
+def _in_drafters(module: str | None) -> bool:
+  """`module` is the drafters' package or one of its modules."""
+  return module == drafters.__name__ or (module or "").startswith(drafters.__name__ + ".")
+
+
 def _drafter_names_used(tree: ast.AST) -> set[str]:
-  """The names a module takes from `av_jax.models.drafters`: imported from it (or from
-  `av_jax.models`, which re-exports its names), or read as attributes of either module."""
+  """The names a module takes from `av_jax.models.drafters`: imported from it or one of
+  its modules (or from `av_jax.models`, which re-exports its names), or read as
+  attributes of either package."""
   internals = {name for name, value in vars(drafters).items()  # what it defines
                if not name.startswith("__") and not inspect.ismodule(value)
-               and getattr(value, "__module__", drafters.__name__) == drafters.__name__}
-  bound, used = set(), set()  # the dotted names that denote either module
+               and _in_drafters(getattr(value, "__module__", drafters.__name__))}
+  bound, used = set(), set()  # the dotted names that denote either package
 
   def models_as(name):
     bound.update({name, name + ".drafters"})
 
   for node in ast.walk(tree):
-    if isinstance(node, ast.ImportFrom) and node.module == "av_jax.models.drafters":
+    if isinstance(node, ast.ImportFrom) and _in_drafters(node.module):
       used |= {a.name for a in node.names}
     elif isinstance(node, ast.ImportFrom) and node.module == "av_jax.models":
       for a in node.names:
@@ -152,6 +158,8 @@ def _drafter_names_used(tree: ast.AST) -> set[str]:
       for a in node.names:
         if a.name == "av_jax.models.drafters":
           bound.add(a.asname or a.name)
+        elif _in_drafters(a.name):  # a module of the package: every use of it is caught
+          used.add(a.name)
         elif a.name in ("av_jax", "av_jax.models"):
           models_as(a.asname or "av_jax.models")
   for node in ast.walk(tree):
@@ -190,5 +198,9 @@ def test_the_drafter_name_check_catches_an_internal():
                  "from av_jax.models import drafters\ndrafters.take_slots(s, i)",
                  "from av_jax import models\nmodels.drafters.widen(s, 4)",
                  "from av_jax.models import catch_up",
-                 "import av_jax.models.drafters as d\nd.read_window(c)"):
+                 "import av_jax.models.drafters as d\nd.read_window(c)",
+                 "from av_jax.models.drafters.state import take_slots",
+                 "from av_jax.models.drafters.protocol import Drafter, _state_axes",
+                 "from av_jax.models.drafters import state",
+                 "import av_jax.models.drafters.backlog"):
     assert _drafter_names_used(ast.parse(source)) - ENGINE_DRAFTER_NAMES, source

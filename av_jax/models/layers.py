@@ -181,6 +181,24 @@ def draft_rows(batch: int) -> tuple[int, ...]:
   return tuple(sorted({0, 1, batch}))
 
 
+def _attend_rows(q, p, cache_k, cache_v, written, k, v, valid, positions, scale):
+  """Per-row attention of `_attend_slotted_read`, one softmax over two sets of keys: the
+  queries `q [R, I, H, Dh]` at positions `p [R, I]` of row r attend to the cache entries
+  `cache_k, cache_v [R, H, m, Dh]` of row r with position <= their own that this pass does
+  not write (`written [R, m]`), and to row r's tokens of this pass, `k, v [R, J, H, Dh]`
+  where `valid [R, J]`, with `positions [R, J]` <= their own. Returns `[R, I, H, Dh]`."""
+  m = cache_k.shape[2]
+  old = (jnp.arange(m)[None, None, :] <= p[:, :, None]) & ~written[:, None, :]  # [R, I, m]
+  new = valid[:, None, :] & (positions[:, None, :] <= p[:, :, None])            # [R, I, J]
+  s_old = jnp.einsum("bihd,bhmd->bhim", q, cache_k) / scale
+  s_new = jnp.einsum("bihd,bjhd->bhij", q, k) / scale
+  scores = jnp.concatenate([jnp.where(old[:, None], s_old, _MASKED),
+                            jnp.where(new[:, None], s_new, _MASKED)], axis=-1)
+  weights = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(v.dtype)
+  return (jnp.einsum("bhim,bhmd->bihd", weights[..., :m], cache_v)
+          + jnp.einsum("bhij,bjhd->bihd", weights[..., m:], v))
+
+
 def _attend_slotted_read(q, k, v, cache: LayerKV, *, slot, positions, write_positions,
                          width: int, layer: int | None = None):
   """`_attend_packed_read` computed per slot, reading each slot's cache once.
@@ -231,16 +249,7 @@ def _attend_slotted_read(q, k, v, cache: LayerKV, *, slot, positions, write_posi
       ck, cv = _read(cache_k[:, :, :m], q), _read(cache_v[:, :, :m], q)  # [B, H, m, Dh]
       wr = written[:, :m]
       # Part A: each slot's first token, to its cache and itself.
-      p0 = P[:, :1]
-      old = (jnp.arange(m)[None, None, :] <= p0[:, :, None]) & ~wr[:, None, :]    # [B, 1, m]
-      s_old = jnp.einsum("bihd,bhmd->bhim", Q[:, :1], ck) / scale
-      new = W[:, None, :] & (P[:, None, :] <= p0[:, :, None])        # [B, 1, W]
-      s_new = jnp.einsum("bihd,bjhd->bhij", Q[:, :1], Kn) / scale
-      scores = jnp.concatenate([jnp.where(old[:, None], s_old, _MASKED),
-                                jnp.where(new[:, None], s_new, _MASKED)], axis=-1)
-      weights = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(v.dtype)
-      first = (jnp.einsum("bhim,bhmd->bihd", weights[..., :m], cv)
-               + jnp.einsum("bhij,bjhd->bihd", weights[..., m:], Vn))[:, 0]    # [B, H, Dh]
+      first = _attend_rows(Q[:, :1], P[:, :1], ck, cv, wr, Kn, Vn, W, P, scale)[:, 0]
       out = first[slot]                                              # [T, H, Dh]
       if e == 0:
         return out
@@ -254,15 +263,7 @@ def _attend_slotted_read(q, k, v, cache: LayerKV, *, slot, positions, write_posi
         ek, ev, ewr = ck[idx], cv[idx], wr[idx]                      # [e, H, m, Dh]
       pq, qq = pick(P)[:, 1:], pick(Q)[:, 1:]                        # [e, W-1]
       kn, vn, wn, pn = pick(Kn), pick(Vn), pick(W), pick(P)          # [e, W]
-      old = (jnp.arange(m)[None, None, :] <= pq[:, :, None]) & ~ewr[:, None, :]
-      new = wn[:, None, :] & (pn[:, None, :] <= pq[:, :, None])      # [e, W-1, W]
-      s_old = jnp.einsum("bihd,bhmd->bhim", qq, ek) / scale
-      s_new = jnp.einsum("bihd,bjhd->bhij", qq, kn) / scale
-      scores = jnp.concatenate([jnp.where(old[:, None], s_old, _MASKED),
-                                jnp.where(new[:, None], s_new, _MASKED)], axis=-1)
-      weights = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(v.dtype)
-      later = (jnp.einsum("bhim,bhmd->bihd", weights[..., :m], ev)
-               + jnp.einsum("bhij,bjhd->bihd", weights[..., m:], vn))  # [e, W-1, H, Dh]
+      later = _attend_rows(qq, pq, ek, ev, ewr, kn, vn, wn, pn, scale)  # [e, W-1, H, Dh]
       if e == batch:
         rows_t = slot
       else:

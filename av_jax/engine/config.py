@@ -71,7 +71,7 @@ class Programs:
   quiet_program: bool = True
   # Decode steps per `run_chunk` (the host syncs between chunks).
   steps_per_chunk: int = 16
-  # StepInfo.extra and accept_probs hold every `core.RECORDED_FEATURES` (studies).
+  # StepInfo.extra and accept_probs hold every `drafting.RECORDED_FEATURES` (studies).
   record_features: bool = False
 
   def __post_init__(self):

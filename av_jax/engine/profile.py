@@ -53,7 +53,7 @@ def measure(engine: core.Engine, params: core.Params, *, repeats: int = 5) -> di
   state = core.init_state(engine, params, jax.random.key(0, impl="rbg"))
   cache = core.group_cache(engine, state.target_cache)
 
-  read = engine.target.verify_read is not None  # the pass the engine runs (core._verify_packed)
+  read = engine.target.verify_read is not None  # the pass the engine runs (verify._verify_packed)
 
   def verify(target_params, cache, tokens, slot, positions, valid):
     return core.verify_forward(engine, target_params, cache, tokens=tokens, slot=slot,

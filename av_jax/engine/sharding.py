@@ -16,7 +16,7 @@ coefficients after each refit (replicas that disagreed on the budget would deadl
 real deployment). Inside `jax.shard_map` code, pass `axis_name='data'` to `est.update`.
 
 Verification is data-parallel when the engine's verify groups line up with the 'data'
-shards: `core._verify_packed` packs each of G = `Programs.verify_groups` contiguous
+shards: `verify._verify_packed` packs each of G = `Programs.verify_groups` contiguous
 slot groups into its own buffer, so with G a multiple of the 'data' size every group's
 packed forward reads only its own shard's caches. `for_mesh` sets G to the 'data' size
 when the config leaves it None (`generate(mesh=...)` does this). With a single group on a

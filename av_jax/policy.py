@@ -36,6 +36,12 @@ The policy is a composition of parts, each an `(init, update)` pair over its own
 the explorer. An ablation is another composition (`make_policy(..., memory=...,
 explorer=...)`).
 
+The engine's shape is priced by the same objective (`depth_cap`): an engine of depth cap
+K pays for its K in every drafting step (an autoregressive drafter's first pass reads the
+K + 1 pending tokens a request, a parallel drafter drafts its whole block), so the cap is
+the K whose engine, every request drafting and verifying to it, has the highest
+predicted tokens per ms at the deployment's concurrency.
+
 Example (one request, K = 2, verify 1.0 ms + 0.1 ms a token, drafting 0.2 ms a depth):
 survivals [0.9, 0.5] give rates 1/1.0, 1.9/1.3 = 1.46, 2.4/1.6 = 1.5: draft and verify
 both positions. Survivals [0.3, 0.1] give 1/1.0, 1.3/1.3 = 1.0, 1.4/1.6: draft nothing.
@@ -44,7 +50,7 @@ both positions. Survivals [0.3, 0.1] give 1/1.0, 1.3/1.3 = 1.0, 1.4/1.6: draft n
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -166,6 +172,62 @@ def choose(survival: jax.Array, *, eligible: jax.Array, forced: jax.Array,
   num = jnp.sum(chosen.reshape(K, B).T, axis=1, dtype=jnp.int32)
   return Choice(num=jnp.where(active, num, 0), budget=n[c, i].astype(jnp.int32),
                 expected=expected[c, i], cost_ms=total[c, i])
+
+
+class DepthCap(NamedTuple):
+  cap: int              # the chosen depth cap K (>= 1)
+  rates: np.ndarray     # [K_max] predicted tokens per ms of the engine of cap k + 1
+  target_rate: float    # predicted tokens per ms of the target alone (for reference)
+
+
+def depth_cap(survival, costs: Sequence[StepCost], *, num_slots: int) -> DepthCap:
+  """The depth cap K of an engine (draft positions per request), chosen once from the
+  predicted survival of the deployment's drafts and its prices.
+
+  The engine of cap k, all `num_slots` requests drafting and verifying k positions, costs
+  `draft(B rows to depth k) + verify(B (k + 1))` a step under its own tables `costs[k - 1]`,
+  and request n emits `t_n = 1 + sum_{j < k} S[n, j]` tokens a step, so it holds its slot
+  for `L / t_n` steps of its L tokens: a step emits `B H_n(t_n)` tokens, H the harmonic
+  mean over requests (a request that accepts little holds its slot longer). The cap is
+  the k with the most tokens per ms (ties to the smaller k). The per-step choice then drafts and verifies
+  fewer where that pays; it cannot go deeper than the cap, and a deeper cap makes every
+  drafting step dearer (a wider first pass or block), so the cap is where the marginal
+  depth stops paying on average.
+
+  Args:
+    survival: `[N, K_max]`, one predicted survival curve per recent request (the mean
+      over its steps, e.g. of `Policy.survival` of a warm estimator on its features).
+    costs: `StepCost` of the engine of each cap k = 1..K_max (`costs[k - 1]` with k depth
+      columns and verify entries up to `num_slots (k + 1)` tokens).
+    num_slots: B, the concurrency the engine serves.
+
+  Example: survival [[0.9, 0.5, 0.1]], B = 1, every engine verifying at 1.0 ms plus 0.1 ms
+  a draft token and drafting at 0.2 ms a depth: caps 1, 2, 3 rate 1.9 / 1.3 = 1.46, 2.4 / 1.6 =
+  1.50, 2.5 / 1.9 = 1.32 tokens per ms: cap 2.
+  """
+  S = np.clip(np.nan_to_num(np.asarray(survival, np.float64), nan=0.0), 0.0, 1.0)
+  if S.ndim != 2 or S.shape[0] == 0:
+    raise ValueError(f"survival: expected [N >= 1, K] curves, got shape {S.shape}")
+  K = S.shape[1]
+  if len(costs) != K:
+    raise ValueError(f"costs: expected one StepCost per cap 1..{K}, got {len(costs)}")
+  B = int(num_slots)
+  if B < 1:
+    raise ValueError(f"num_slots: expected an int >= 1, got {num_slots!r}")
+  per_step = 1.0 + np.cumsum(S, axis=1)                  # [N, K]: t_n at cap k + 1
+  tokens = 1.0 / np.mean(1.0 / per_step, axis=0)          # harmonic mean over requests
+  rates = np.zeros(K)
+  for k in range(1, K + 1):
+    c = costs[k - 1]
+    depth = np.asarray(c.draft_depth_ms)
+    if depth.ndim != 2 or depth.shape[1] < k or depth.shape[0] < 2:
+      raise ValueError(f"costs[{k - 1}]: expected draft_depth_ms [R + 1, >= {k}], got "
+                       f"{depth.shape}")
+    rows = min(B, depth.shape[0] - 1)
+    ms = float(depth[rows, :k].sum()) + float(c.verify(jnp.asarray(B * (k + 1))))
+    rates[k - 1] = B * tokens[k - 1] / max(ms, 1e-9)
+  target = B / max(float(costs[0].verify(jnp.asarray(B))), 1e-9)
+  return DepthCap(cap=int(np.argmax(rates)) + 1, rates=rates, target_rate=target)
 
 
 # ----------------------------------------------------------------------------- parts

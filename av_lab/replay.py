@@ -299,6 +299,10 @@ def replay_point(point: Point, *, arms: Sequence[str], pool: Pool, num_requests:
   requests = make_requests(pool, num=num_requests, length=length, seed=seed)
   out = {}
   for arm in arms:
+    if arm == "av-cap":
+      out[arm] = _capped_av(point, pool=pool, requests=requests, length=length, seed=seed,
+                            refit_interval=refit_interval, shared_passes=shared_passes)
+      continue
     if arm in ADAPTIVE or arm.startswith(("av-explore:", "av-est:")):
       policy = _policy(arm, K, kind, refit_interval, shared_passes)
       state = policy.init(B)
@@ -318,14 +322,62 @@ def replay_point(point: Point, *, arms: Sequence[str], pool: Pool, num_requests:
     tot, _ = _run(pool.features, pool.accepted, pool.accept_probs, requests, cost, k, state,
                   arm=mode, num_slots=B, kind=kind, policy=policy, block_choice=block_choice,
                   shared_passes=shared_passes)
-    tot = jax.tree.map(float, jax.device_get(tot))
-    out[arm] = dict(tokens_per_s=1e3 * tot.tokens / tot.ms, tokens=tot.tokens, ms=tot.ms,
-                    steps=tot.steps, drafting_share=tot.drafting / tot.steps,
-                    explore_share=tot.explore_ms / tot.ms, draft_share=tot.draft_ms / tot.ms,
-                    verified_per_step=tot.verified / tot.steps,
-                    passes_per_step=tot.passes / tot.steps,
-                    calibration=tot.predicted / max(tot.accepted, 1.0))
+    out[arm] = _totals(tot)
   return out
+
+
+def _totals(tot: Totals) -> dict:
+  tot = jax.tree.map(float, jax.device_get(tot))
+  return dict(tokens_per_s=1e3 * tot.tokens / tot.ms, tokens=tot.tokens, ms=tot.ms,
+              steps=tot.steps, drafting_share=tot.drafting / tot.steps,
+              explore_share=tot.explore_ms / tot.ms, draft_share=tot.draft_ms / tot.ms,
+              verified_per_step=tot.verified / tot.steps,
+              passes_per_step=tot.passes / tot.steps,
+              calibration=tot.predicted / max(tot.accepted, 1.0))
+
+
+def _truncated(pool: Pool, k: int) -> Pool:
+  """The pool as a K = k drafter records it: its first k depths."""
+  return pool._replace(features=pool.features[:, :k], accept_probs=pool.accept_probs[:, :k],
+                       accepted=jnp.minimum(pool.accepted, k))
+
+
+def _warm(policy: P.Policy, pool: Pool, warmup: Requests, cost: P.StepCost, *, B: int,
+          kind: str, shared_passes: bool) -> P.PolicyState:
+  """A fresh state with the estimator fitted on a replay of `warmup` (a server that has
+  been running)."""
+  _, state = _run(pool.features, pool.accepted, pool.accept_probs, warmup, cost, 0,
+                  policy.init(B), arm="av", num_slots=B, kind=kind, policy=policy,
+                  shared_passes=shared_passes)
+  return policy.init(B)._replace(estimator=state.estimator)
+
+
+def _capped_av(point: Point, *, pool: Pool, requests: Requests, length: int, seed: int,
+               refit_interval: int, shared_passes: bool) -> dict:
+  """`av-cap`: AV on an engine whose depth cap `policy.depth_cap` chose from the warm
+  estimator's survival on the warm-up requests' recorded features (other requests than
+  the replayed ones) and each cap's deployment tables; then AV, warmed again at that
+  cap, replays the requests on it."""
+  K, B, kind = int(pool.features.shape[1]), point.concurrency, KIND[point.drafter]
+  warmup = make_requests(pool, num=max(B, 32), length=length, seed=seed + 7919)
+  policy = _policy("av", K, kind, refit_interval, shared_passes)
+  caps = [deployment_cost(point.device, point.drafter, B, k, k) for k in range(1, K + 1)]
+  state = _warm(policy, pool, warmup, caps[-1], B=B, kind=kind, shared_passes=shared_passes)
+  # One curve per warm-up request: the mean predicted survival over its recorded steps.
+  starts, lengths = np.asarray(warmup.start), np.asarray(warmup.length)
+  rows = np.concatenate([np.arange(a, a + n) for a, n in zip(starts, lengths)])
+  owner = np.repeat(np.arange(len(starts)), lengths)
+  per_row = np.asarray(policy.survival(state, pool.features[jnp.asarray(rows)]))
+  survival = np.stack([per_row[owner == i].mean(axis=0) for i in range(len(starts))])
+  cap = P.depth_cap(survival, caps, num_slots=B).cap
+  sub = _truncated(pool, cap)
+  policy = _policy("av", cap, kind, refit_interval, shared_passes)
+  state = _warm(policy, sub, warmup, caps[cap - 1], B=B, kind=kind,
+                shared_passes=shared_passes)
+  tot, _ = _run(sub.features, sub.accepted, sub.accept_probs, requests, caps[cap - 1], 0,
+                state, arm="av", num_slots=B, kind=kind, policy=policy,
+                shared_passes=shared_passes)
+  return dict(_totals(tot), depth_cap=cap)
 
 
 def summarize(result: dict[str, dict], K: int) -> dict:

@@ -225,3 +225,70 @@ def test_bad_settings_are_refused():
     P.explore_credit(1.5)
   with pytest.raises(ValueError, match="num_positions"):
     P.make_policy(0, drafter_kind="parallel")
+
+
+def _engine_cost(k, B, *, pass_ms, first_per_token=0.0, verify_fixed=1.0, per_token=0.1):
+  """The tables of an engine of cap k: an autoregressive drafter whose first pass reads
+  the k + 1 pending tokens of every drafting row (`first_per_token` ms each)."""
+  depth = np.zeros((B + 1, k), np.float32)
+  rows = np.arange(1, B + 1)
+  depth[1:, :] = pass_ms
+  depth[1:, 0] += first_per_token * (k + 1) * rows
+  verify = verify_fixed + per_token * np.maximum(np.arange(B * (k + 1) + 1) - 1, 0)
+  return P.StepCost(jnp.asarray(depth), jnp.asarray(verify, jnp.float32))
+
+
+def test_depth_cap_docstring_example_and_its_rates():
+  costs = [_engine_cost(k, 1, pass_ms=0.2) for k in (1, 2, 3)]
+  got = P.depth_cap([[0.9, 0.5, 0.1]], costs, num_slots=1)
+  assert got.cap == 2
+  np.testing.assert_allclose(got.rates, [1.9 / 1.3, 2.4 / 1.6, 2.5 / 1.9], rtol=1e-6)
+  assert got.target_rate == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("B", [1, 8])
+def test_depth_cap_is_the_best_fixed_depth_by_enumeration(B):
+  """Against a brute force over caps of tokens per ms with the pending block priced (a
+  step emits B times the harmonic mean over requests of their tokens a step)."""
+  rng = np.random.default_rng(B)
+  for _ in range(20):
+    p = rng.uniform(0.3, 0.95, size=(16, 6))
+    S = np.cumprod(p, axis=1)
+    costs = [_engine_cost(k, B, pass_ms=0.05, first_per_token=0.01) for k in range(1, 7)]
+    brute = []
+    for k in range(1, 7):
+      ms = float(np.asarray(costs[k - 1].draft_depth_ms)[B, :k].sum()
+                 + np.asarray(costs[k - 1].verify_ms)[B * (k + 1)])
+      per_request = 1 + S[:, :k].sum(axis=1)  # tokens a step of each request
+      brute.append(B * len(S) / np.sum(1 / per_request) / ms)
+    got = P.depth_cap(S, costs, num_slots=B)
+    assert got.cap == int(np.argmax(brute)) + 1
+    np.testing.assert_allclose(got.rates, brute, rtol=1e-5)
+  # Negative control: where every draft is rejected the cap is the smallest; where every
+  # draft is accepted and drafting is nearly free, the deepest.
+  costs = [_engine_cost(k, B, pass_ms=0.001) for k in range(1, 7)]
+  assert P.depth_cap(np.zeros((4, 6)), costs, num_slots=B).cap == 1
+  assert P.depth_cap(np.ones((4, 6)), costs, num_slots=B).cap == 6
+
+
+def test_depth_cap_weighs_requests_by_the_steps_they_hold():
+  """Two requests, one accepting everything and one nothing, B = 1: their mean curve
+  would buy depth 4 (3 tokens for 1.6 ms against 1.5 for 1.15 ms at depth 1), but the
+  rejecting request holds the slot for L steps and the other for L / 5, so a step emits
+  the harmonic mean of their tokens a step: 1.67 for 1.6 ms at depth 4 (1.04 a ms)
+  against 1.33 for 1.15 ms at depth 1 (1.16 a ms)."""
+  costs = [_engine_cost(k, 1, pass_ms=0.05, per_token=0.1) for k in range(1, 5)]
+  S = np.asarray([[1.0, 1.0, 1.0, 1.0], [0.0, 0.0, 0.0, 0.0]])
+  got = P.depth_cap(S, costs, num_slots=1)
+  assert got.cap == 1, got.rates
+  assert P.depth_cap(S.mean(axis=0, keepdims=True), costs, num_slots=1).cap == 4
+
+
+def test_depth_cap_refuses_bad_input():
+  costs = [_engine_cost(k, 2, pass_ms=0.1) for k in (1, 2)]
+  with pytest.raises(ValueError, match="survival"):
+    P.depth_cap(np.zeros((0, 2)), costs, num_slots=2)
+  with pytest.raises(ValueError, match="costs"):
+    P.depth_cap(np.ones((3, 2)), costs[:1], num_slots=2)
+  with pytest.raises(ValueError, match="num_slots"):
+    P.depth_cap(np.ones((3, 2)), costs, num_slots=0)

@@ -21,6 +21,9 @@ arm replays the same requests:
   decision's rules cost, apart from the estimator's errors);
 * `oracle`: per step, knowing every request's accepted length, the drafting rows and
   depths (verifying exactly the accepted drafts) with the highest tokens per ms;
+* `av-depth-cap`: `av` on the engine whose depth cap `policy.depth_cap` chose from the
+  warm estimator (its warm-up requests, not the replayed ones), priced by that engine's
+  tables;
 * ablations of `av` (`av-prior`: no per-request memory; `av-noexplore`: no exploration).
 
 Example: `python -m av_lab.replay --drafters block --workloads mixed --concurrency 64
@@ -299,7 +302,7 @@ def replay_point(point: Point, *, arms: Sequence[str], pool: Pool, num_requests:
   requests = make_requests(pool, num=num_requests, length=length, seed=seed)
   out = {}
   for arm in arms:
-    if arm == "av-cap":
+    if arm == "av-depth-cap":
       out[arm] = _capped_av(point, pool=pool, requests=requests, length=length, seed=seed,
                             refit_interval=refit_interval, shared_passes=shared_passes)
       continue
@@ -354,7 +357,7 @@ def _warm(policy: P.Policy, pool: Pool, warmup: Requests, cost: P.StepCost, *, B
 
 def _capped_av(point: Point, *, pool: Pool, requests: Requests, length: int, seed: int,
                refit_interval: int, shared_passes: bool) -> dict:
-  """`av-cap`: AV on an engine whose depth cap `policy.depth_cap` chose from the warm
+  """`av-depth-cap`: AV on an engine whose depth cap `policy.depth_cap` chose from the warm
   estimator's survival on the warm-up requests' recorded features (other requests than
   the replayed ones) and each cap's deployment tables; then AV, warmed again at that
   cap, replays the requests on it."""

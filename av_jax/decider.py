@@ -136,6 +136,11 @@ class PolicyDecider:
       plan = plan._replace(depth=jnp.where(plan.draft, self.num_positions, 0).astype(jnp.int32))
     return decision._replace(planner=decision.planner._replace(plan=plan))
 
+  def predicted_survival(self, decision: DecisionState) -> jax.Array:
+    """`[B, K]`: each slot's predicted survival curve for its next step (its latest
+    features under the current coefficients; what `policy.depth_cap` takes)."""
+    return self.policy.predicted_survival(self._state(decision))
+
   def draft_slots(self, decision: DecisionState, active: jax.typing.ArrayLike) -> jax.Array:
     return decision.planner.plan.draft & jnp.asarray(active, bool)
 

@@ -180,7 +180,8 @@ class DepthCap(NamedTuple):
   target_rate: float    # predicted tokens per ms of the target alone (for reference)
 
 
-def depth_cap(survival, costs: Sequence[StepCost], *, num_slots: int) -> DepthCap:
+def depth_cap(survival, costs: Sequence[StepCost], *, num_slots: int, weights=None,
+              keep: int | None = None, min_gain: float = 0.0) -> DepthCap:
   """The depth cap K of an engine (draft positions per request), chosen once from the
   predicted survival of the deployment's drafts and its prices.
 
@@ -188,18 +189,28 @@ def depth_cap(survival, costs: Sequence[StepCost], *, num_slots: int) -> DepthCa
   `draft(B rows to depth k) + verify(B (k + 1))` a step under its own tables `costs[k - 1]`,
   and request n emits `t_n = 1 + sum_{j < k} S[n, j]` tokens a step, so it holds its slot
   for `L / t_n` steps of its L tokens: a step emits `B H_n(t_n)` tokens, H the harmonic
-  mean over requests (a request that accepts little holds its slot longer). The cap is
+  mean over requests (a request that accepts little holds its slot longer). Curves
+  sampled as a request runs (several per request) take `weights`, the tokens the request
+  emitted since its previous sample: a request's weights then sum to its length, and
+  `sum w / sum (w / t)` is the harmonic mean over requests of equal length. The cap is
   the k with the most tokens per ms (ties to the smaller k). The per-step choice then drafts and verifies
   fewer where that pays; it cannot go deeper than the cap, and a deeper cap makes every
   drafting step dearer (a wider first pass or block), so the cap is where the marginal
   depth stops paying on average.
 
   Args:
-    survival: `[N, K_max]`, one predicted survival curve per recent request (the mean
-      over its steps, e.g. of `Policy.survival` of a warm estimator on its features).
+    survival: `[N, K_max]` predicted survival curves: one per recent request (the mean
+      over its steps, e.g. of `Policy.survival` of a warm estimator on its features),
+      or several per request with `weights` (e.g. `predicted_survival` of every active
+      request after every chunk).
+    weights: `[N]` non-negative, the tokens each curve's request emitted since its
+      previous curve (None: one curve per request, equal weights).
     costs: `StepCost` of the engine of each cap k = 1..K_max (`costs[k - 1]` with k depth
       columns and verify entries up to `num_slots (k + 1)` tokens).
     num_slots: B, the concurrency the engine serves.
+    keep: the cap of the engine running now; it stays unless another cap's predicted
+      rate beats its own by more than `min_gain` (a new shape costs a compile).
+    min_gain: e.g. 0.02: another cap must be predicted more than 2% faster.
 
   Example: survival [[0.9, 0.5, 0.1]], B = 1, every engine verifying at 1.0 ms plus 0.1 ms
   a draft token and drafting at 0.2 ms a depth: caps 1, 2, 3 rate 1.9 / 1.3 = 1.46, 2.4 / 1.6 =
@@ -214,8 +225,12 @@ def depth_cap(survival, costs: Sequence[StepCost], *, num_slots: int) -> DepthCa
   B = int(num_slots)
   if B < 1:
     raise ValueError(f"num_slots: expected an int >= 1, got {num_slots!r}")
-  per_step = 1.0 + np.cumsum(S, axis=1)                  # [N, K]: t_n at cap k + 1
-  tokens = 1.0 / np.mean(1.0 / per_step, axis=0)          # harmonic mean over requests
+  w = np.ones(S.shape[0]) if weights is None else np.asarray(weights, np.float64)
+  if w.shape != S.shape[:1] or not np.all(w >= 0) or not w.sum() > 0:
+    raise ValueError(f"weights: expected [{S.shape[0]}] non-negative with a positive sum, "
+                     f"got shape {w.shape}")
+  per_step = 1.0 + np.cumsum(S, axis=1)                   # [N, K]: t_n at cap k + 1
+  tokens = w.sum() / np.sum(w[:, None] / per_step, axis=0)  # weighted harmonic mean
   rates = np.zeros(K)
   for k in range(1, K + 1):
     c = costs[k - 1]
@@ -227,7 +242,13 @@ def depth_cap(survival, costs: Sequence[StepCost], *, num_slots: int) -> DepthCa
     ms = float(depth[rows, :k].sum()) + float(c.verify(jnp.asarray(B * (k + 1))))
     rates[k - 1] = B * tokens[k - 1] / max(ms, 1e-9)
   target = B / max(float(costs[0].verify(jnp.asarray(B))), 1e-9)
-  return DepthCap(cap=int(np.argmax(rates)) + 1, rates=rates, target_rate=target)
+  cap = int(np.argmax(rates)) + 1
+  if keep is not None:
+    if not 1 <= keep <= K:
+      raise ValueError(f"keep: expected the running cap in 1..{K}, got {keep!r}")
+    if rates[cap - 1] <= (1.0 + min_gain) * rates[keep - 1]:
+      cap = keep
+  return DepthCap(cap=cap, rates=rates, target_rate=target)
 
 
 # ----------------------------------------------------------------------------- parts

@@ -357,6 +357,9 @@ def _compare_args(p: argparse.ArgumentParser) -> None:
                       "there (1: every step, as a serving scheduler admits)")
   p.add_argument("--num-buckets", type=_positive_int, default=None,
                  help="verify buckets of every engine (default: the engine's)")
+  p.add_argument("--depth-cap", action="store_true",
+                 help="the av arm runs on the engine of the depth cap av_jax.policy.depth_cap "
+                      "picks from its warm-up (needs --warm-start and a modelled clock)")
   p.add_argument("--wall-cost", default="profiled", choices=("profiled", "modelled"),
                  help="the tables AV plans with on the wall clock: profiled on this machine "
                       "(cached on disk; noisy where other work shares it) or modelled (the "
@@ -383,6 +386,7 @@ def cmd_compare(args) -> None:
                      context_len=args.context_len, warm_start=args.warm_start,
                      drafter_backlog=args.drafter_backlog, num_buckets=args.num_buckets,
                      steps_per_chunk=args.steps_per_chunk, wall_cost=_wall_cost(args),
+                     depth_cap=args.depth_cap,
                      log=lambda line: print(line, flush=True))
   if args.json:
     C.write_json(args.json, result)

@@ -44,6 +44,7 @@ from av_jax import costs
 from av_jax import data
 from av_jax import engine as E
 from av_jax import models as M
+from av_jax import policy as P
 from av_jax.arms import ARMS, get_arm, parse_arm
 from av_jax.engine import clock as modelled_clock
 from av_jax.engine import core
@@ -65,6 +66,39 @@ DEPLOYMENT_DRAFTERS = {
 def workload_names() -> tuple[str, ...]:
   """Every workload `compare` accepts: the registered ones and `mixed`."""
   return tuple(data.list_workloads()) + (MIXED,)
+
+
+class _CurveSampler:
+  """`generate`'s `on_chunk` for `policy.depth_cap`: after every chunk, the predicted
+  survival curve of every request that ran through it, weighted by the tokens it emitted
+  in it (a request's weights then sum to its length less its first chunk). A request
+  that finished in the chunk still holds its slot here (the next request takes it after
+  `on_chunk`) and is sampled once more; the slot, inactive at this sample, starts a new
+  request at the next."""
+
+  def __init__(self, engine):
+    self.engine = engine
+    self.curves, self.weights = [], []
+    self.last = None  # (generated tokens [B], active [B]) at the previous sample
+
+  def __call__(self, state, info) -> None:
+    del info
+    generated = np.asarray(state.length - state.prompt_len)
+    active = np.asarray(state.active)
+    if self.last is not None:
+      before, was = self.last
+      ran = was & (generated > before)  # the same request, still running or just done
+      if ran.any():
+        curves = np.asarray(self.engine.decider.predicted_survival(state.decision))
+        self.curves.append(curves[ran])
+        self.weights.append((generated - before)[ran])
+    self.last = (generated, active)
+
+  def result(self) -> tuple[np.ndarray, np.ndarray]:
+    if not self.curves:
+      raise ValueError("depth_cap: the warm-up ran no request across two chunks (decode "
+                       "more tokens per request in the warm-up)")
+    return np.concatenate(self.curves), np.concatenate(self.weights).astype(np.float64)
 
 
 # ---------------------------------------------------------------------------------- arms
@@ -256,7 +290,11 @@ class Runner:
                clock: ClockSpec = ClockSpec("wall"), warm_start: bool = False,
                log: Callable[[str], None] = print, compiled: dict | None = None,
                drafter_backlog: int | None = None, num_buckets: int | None = None,
-               wall_cost: Callable | None = None):
+               wall_cost: Callable | None = None, depth_cap: bool = False):
+    # depth_cap: the av arm runs on the engine shape `policy.depth_cap` picks (`shaped`).
+    self.depth_cap = depth_cap
+    self._shapes: dict = {}
+    self._curves: dict = {}  # (kind, slots, arm) -> (curves, weights) of its warm-up
     # compiled: {(drafter kind, slots, arm): engine} shared with another runner (a sweep
     # on another clock), so an engine is built and compiled once for both.
     # warm_start: every run of an adaptive arm continues from the idle state the arm's
@@ -322,15 +360,47 @@ class Runner:
       # arm's warm-up is a short run that compiles the program, so a warm-started sweep
       # does not decode every prompt once more per static arm.
       fit = self.warm_start and get_arm(arm.mode).adaptive
+      sample = (_CurveSampler(engine) if fit and self.depth_cap and arm.mode == "av"
+                else None)
       warm = E.generate(engine, params, warm_prompts if fit else warm_prompts[:slots],
                         max_new_tokens=self.warm_tokens if fit else arm.k + 2,
-                        key=jax.random.PRNGKey(self.seed), cost=cost)
+                        key=jax.random.PRNGKey(self.seed), cost=cost, on_chunk=sample)
       if fit:
         self._states[key] = warm.state
+      if sample is not None:
+        self._curves[key] = sample.result()
       self.log(f"  compiled {pair.drafter.kind} B={slots} {arm.name} in "
                f"{time.perf_counter() - start:.1f} s")
       self._engines[key] = (engine, cost)
     return self._engines[key]
+
+  def shaped(self, pair, slots: int, arm: ArmSpec, warm_prompts) -> ArmSpec:
+    """The arm as it runs: under `depth_cap`, the `av` arm on the depth cap
+    `policy.depth_cap` picks from its warm-up run on its K = `arm.k` engine (every
+    running request's predicted survival curve after every chunk, weighted by the tokens
+    it emitted in the chunk, `_CurveSampler`; each cap's tables on this clock); a new cap
+    must be predicted more than 2% faster than K, since it costs another compile
+    and warm-up. Other arms, and `av` without `depth_cap`: unchanged."""
+    if not self.depth_cap or arm.mode != "av":
+      return arm
+    memo = (pair.drafter.kind, slots, arm)
+    if memo not in self._shapes:
+      if not (self.warm_start and self.clock.modelled):
+        raise ValueError("depth_cap: needs warm_start (a fitted estimator) and a modelled "
+                         f"clock (each cap's tables), got warm_start={self.warm_start}, "
+                         f"clock {self.clock.name!r}")
+      self.engine(pair, slots, arm, warm_prompts)
+      survival, weights = self._curves[memo]
+      caps = [P.StepCost.from_tables(deployment_tables(
+          self.clock, drafter_kind=pair.drafter.kind, num_slots=slots, max_draft=k))
+              for k in range(1, arm.k + 1)]
+      choice = P.depth_cap(survival, caps, num_slots=slots, weights=weights, keep=arm.k,
+                           min_gain=0.02)
+      rates = " ".join(f"{r / choice.rates.max():.3f}" for r in choice.rates)
+      self.log(f"  depth cap {pair.drafter.kind} B={slots} {arm.name}: K = {choice.cap} "
+               f"(predicted rate of caps 1..{arm.k} / best: {rates})")
+      self._shapes[memo] = dataclasses.replace(arm, k=choice.cap)
+    return self._shapes[memo]
 
   def profile(self, pair, slots: int, arm: ArmSpec) -> dict | None:
     return self._profiles.get((pair.drafter.kind, slots, arm))
@@ -559,7 +629,7 @@ def compare(*, drafters: str | Sequence[str] = "block", workloads: str | Sequenc
             pairs: Mapping[str, object] | None = None,
             prompts: Callable[..., list[list[int]]] | None = None,
             log: Callable[[str], None] = print, compiled: dict | None = None,
-            wall_cost: Callable | None = None) -> dict:
+            wall_cost: Callable | None = None, depth_cap: bool = False) -> dict:
   """Runs the arms side by side; returns `{"settings": {...}, "results": [records]}`.
 
   Args:
@@ -597,6 +667,9 @@ def compare(*, drafters: str | Sequence[str] = "block", workloads: str | Sequenc
       same arms on another clock), so each engine compiles once.
     wall_cost: `wall_cost(pair, engine) -> CostModel`, the tables AV plans with on the
       wall clock (None: profiled, `av_jax.engine.profile`).
+    depth_cap: the `av` arm runs on the engine of the depth cap `policy.depth_cap` picks
+      from its warm-up (`Runner.shaped`; needs `warm_start` and a modelled clock); its
+      records carry that K.
 
   Raises:
     ValueError: naming the argument, for unknown arms, workloads, drafters, clocks or
@@ -624,7 +697,7 @@ def compare(*, drafters: str | Sequence[str] = "block", workloads: str | Sequenc
                   refit_interval=refit_interval, steps_per_chunk=steps_per_chunk, seed=seed,
                   clock=spec, warm_start=warm_start, log=log,
                   drafter_backlog=drafter_backlog, num_buckets=num_buckets,
-                  compiled=compiled, wall_cost=wall_cost)
+                  compiled=compiled, wall_cost=wall_cost, depth_cap=depth_cap)
   runner.warm_tokens = max_new
   rows = []
   for slots in slots_list:
@@ -638,9 +711,12 @@ def compare(*, drafters: str | Sequence[str] = "block", workloads: str | Sequenc
                        seed=seed + 1000) if warm_start else ps
         for arm in arm_list:  # compile (and profile) before any timing
           runner.engine(pair, slots, arm, warm)
+        running = [runner.shaped(pair, slots, arm, warm) for arm in arm_list]
+        for arm in running:
+          runner.engine(pair, slots, arm, warm)
         group = []
         for r in range(repeats):  # interleaved, so machine noise hits every arm alike
-          for arm in arm_list:
+          for arm in running:
             row = runner.run(pair, slots, arm, ps, max_new=max_new, repeat=r)
             row["workload"] = workload
             group.append(row)
@@ -652,7 +728,7 @@ def compare(*, drafters: str | Sequence[str] = "block", workloads: str | Sequenc
       clock=spec.name, clock_kind=spec.kind, models=models, max_draft=max_draft,
       max_new=max_new, prompt_len=prompt_len, requests_per_slot=requests_per_slot,
       min_requests=min_requests, max_len=max_len, temperature=temperature, top_p=top_p, refit_interval=refit_interval,
-      steps_per_chunk=steps_per_chunk, seed=seed, warm_start=warm_start,
+      steps_per_chunk=steps_per_chunk, seed=seed, warm_start=warm_start, depth_cap=depth_cap,
       drafter_backlog=drafter_backlog, num_buckets=num_buckets, context_len=spec.context_len if spec.kind == "roofline" else None,
       drafter_shapes=({k: drafter_shape(spec.shape, k) for k in drafter_names}
                       if spec.kind == "roofline" else None),

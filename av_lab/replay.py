@@ -359,8 +359,9 @@ def _capped_av(point: Point, *, pool: Pool, requests: Requests, length: int, see
                refit_interval: int, shared_passes: bool) -> dict:
   """`av-depth-cap`: AV on an engine whose depth cap `policy.depth_cap` chose from the warm
   estimator's survival on the warm-up requests' recorded features (other requests than
-  the replayed ones) and each cap's deployment tables; then AV, warmed again at that
-  cap, replays the requests on it."""
+  the replayed ones) and each cap's deployment tables, keeping K unless another cap is
+  predicted more than 2% faster (as `compare --depth-cap` does); then AV, warmed again
+  at that cap, replays the requests on it."""
   K, B, kind = int(pool.features.shape[1]), point.concurrency, KIND[point.drafter]
   warmup = make_requests(pool, num=max(B, 32), length=length, seed=seed + 7919)
   policy = _policy("av", K, kind, refit_interval, shared_passes)
@@ -372,7 +373,7 @@ def _capped_av(point: Point, *, pool: Pool, requests: Requests, length: int, see
   owner = np.repeat(np.arange(len(starts)), lengths)
   per_row = np.asarray(policy.survival(state, pool.features[jnp.asarray(rows)]))
   survival = np.stack([per_row[owner == i].mean(axis=0) for i in range(len(starts))])
-  cap = P.depth_cap(survival, caps, num_slots=B).cap
+  cap = P.depth_cap(survival, caps, num_slots=B, keep=K, min_gain=0.02).cap
   sub = _truncated(pool, cap)
   policy = _policy("av", cap, kind, refit_interval, shared_passes)
   state = _warm(policy, sub, warmup, caps[cap - 1], B=B, kind=kind,
@@ -427,14 +428,15 @@ def ablation_table(rows: Sequence[dict], arms: Sequence[str]) -> str:
   return "\n".join(lines)
 
 
-def grid_markdown(rows: Sequence[dict]) -> str:
-  """Markdown: one table per drafter, a row per (workload, B), AV / the best static arm
-  on every device, and on the first device the best static arm, `av-true` and the oracle."""
+def grid_markdown(rows: Sequence[dict], arm: str = "av") -> str:
+  """Markdown: one table per drafter, a row per (workload, B), `arm` / the best static
+  arm on every device, and on the first device the best static arm, `av-true` and the
+  oracle."""
   out = []
   devices = list(dict.fromkeys(r["device"] for r in rows))
   for drafter in dict.fromkeys(r["drafter"] for r in rows):
     first = devices[0]
-    out += [f"**{drafter}** (AV / best static arm, modelled llama3-8b)", "",
+    out += [f"**{drafter}** ({arm} / best static arm, modelled llama3-8b)", "",
             "| workload | B | " + " | ".join(devices) + f" | best static ({first}) | "
             f"av-true ({first}) | oracle ({first}) |",
             "|---|---:|" + "---:|" * (len(devices) + 3)]
@@ -445,7 +447,8 @@ def grid_markdown(rows: Sequence[dict]) -> str:
               and r["concurrency"] == B}
         cell = lambda v: f"**{v:.3f}**" if v < 0.98 else f"{v:.3f}"
         f = at[first]
-        out.append(f"| {workload} | {B} | " + " | ".join(cell(at[d]["av/best"]) for d in devices)
+        out.append(f"| {workload} | {B} | " + " | ".join(cell(at[d][f"{arm}/best"])
+                                                          for d in devices)
                    + f" | {f['best_static']} | {f.get('av-true/best', float('nan')):.3f} | "
                    f"{f.get('oracle/best', float('nan')):.3f} |")
     out.append("")
@@ -477,6 +480,7 @@ def main(argv=None) -> None:
                       help="a parallel drafter may run a smaller block on a step")
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--markdown", default=None, help="write the grid's tables here")
+  parser.add_argument("--table-arm", default="av", help="the arm the --markdown tables show")
   args = parser.parse_args(argv)
   arms = (args.arms.split(",") if args.arms else
           list(static_arms(8)) + ["av", "av-true", "oracle"])
@@ -493,7 +497,7 @@ def main(argv=None) -> None:
       json.dump(rows, f, indent=1)
   if args.markdown:
     with open(args.markdown, "w") as f:
-      f.write(grid_markdown(rows) + "\n" + ablation_table(rows, [
+      f.write(grid_markdown(rows, args.table_arm) + "\n" + ablation_table(rows, [
           a for a in arms if a not in static_arms(8)]) + "\n")
 
 

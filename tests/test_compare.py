@@ -247,6 +247,48 @@ def test_a_warm_start_fits_only_adaptive_arms():
   assert runner._states[("block", 2, av)] is not warm
 
 
+def test_depth_cap_runs_av_on_the_engine_of_the_chosen_cap(monkeypatch):
+  """`compare(depth_cap=True)`: after the av arm's warm-up on its K = 4 engine,
+  `policy.depth_cap` gets the running requests' predicted survival curves after every
+  chunk of it, each weighted by the tokens its request emitted in the chunk, and one
+  table per cap 1..4 (keeping K unless another cap is > 2% faster); the timed runs are on
+  the engine of the cap it returns, warmed up in turn; a static arm is untouched.
+  Without a warm start (no fitted estimator) it is refused."""
+  from av_jax import policy as P
+  seen = {}
+
+  def fake(survival, costs, *, num_slots, weights, keep, min_gain):
+    seen.update(shape=np.shape(survival), caps=[np.shape(c.draft_depth_ms) for c in costs],
+                num_slots=num_slots, weights=np.asarray(weights), keep=keep,
+                min_gain=min_gain)
+    return P.DepthCap(cap=2, rates=np.asarray([1.0, 2.0, 1.5, 1.2]), target_rate=1.0)
+
+  monkeypatch.setattr(C.P, "depth_cap", fake)
+  lines = []
+  result = C.compare(drafters="block", workloads="code", concurrency=[2], arms="fixed:1,av",
+                     repeats=1, clock="h200:llama3-8b", max_draft=4, max_new=10, prompt_len=6,
+                     requests_per_slot=2, steps_per_chunk=1, refit_interval=4,
+                     warm_start=True, depth_cap=True, pairs={"block": _pair("block")},
+                     prompts=_prompts, log=lines.append)
+  # One curve per request and chunk after its first, weighted by the tokens it emitted
+  # in the chunk (1 to K + 1: one step a chunk).
+  assert seen["shape"][0] >= 2 and seen["shape"][1] == 4
+  assert seen["weights"].shape == seen["shape"][:1]
+  assert np.all((seen["weights"] >= 1) & (seen["weights"] <= 5))
+  assert seen["num_slots"] == 2
+  assert [c[1] for c in seen["caps"]] == [1, 2, 3, 4]
+  assert seen["keep"] == 4 and seen["min_gain"] == 0.02
+  ks = {r["arm"]: r["k"] for r in result["results"]}
+  assert ks == {"fixed:1": 1, "av": 2}
+  assert any("depth cap block B=2 av: K = 2" in line for line in lines)
+  assert result["settings"]["depth_cap"] is True
+  with pytest.raises(ValueError, match="depth_cap"):
+    C.compare(drafters="block", workloads="code", concurrency=[2], arms="av", repeats=1,
+              clock="h200:llama3-8b", max_draft=2, max_new=4, prompt_len=6,
+              steps_per_chunk=4, depth_cap=True, pairs={"block": _pair("block")},
+              prompts=_prompts, log=lambda line: None)
+
+
 def test_drafting_cost_share_by_hand():
   """Steps priced `draft_cost(rows) + verify_cost(active + verified)`: two busy steps, one
   drafting (rows 1, 2 tokens verified), one not; an idle step is not counted."""

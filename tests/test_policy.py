@@ -282,6 +282,26 @@ def test_depth_cap_weighs_requests_by_the_steps_they_hold():
   got = P.depth_cap(S, costs, num_slots=1)
   assert got.cap == 1, got.rates
   assert P.depth_cap(S.mean(axis=0, keepdims=True), costs, num_slots=1).cap == 4
+  # The same two requests of 10 tokens sampled as they run, each sample weighted by the
+  # tokens emitted since the request's previous one (the accepting one twice, 5 + 5;
+  # the rejecting one ten times, 1 each): the same rates.
+  runs = np.concatenate([np.repeat(S[:1], 2, axis=0), np.repeat(S[1:], 10, axis=0)])
+  w = [5, 5] + [1] * 10
+  np.testing.assert_allclose(P.depth_cap(runs, costs, num_slots=1, weights=w).rates,
+                             got.rates, rtol=1e-6)
+  for bad in ([1] * 11, [-1] + [1] * 11, [0] * 12):
+    with pytest.raises(ValueError, match="weights"):
+      P.depth_cap(runs, costs, num_slots=1, weights=bad)
+
+
+def test_depth_cap_keeps_the_running_cap_unless_another_gains_enough():
+  costs = [_engine_cost(k, 1, pass_ms=0.2) for k in (1, 2, 3)]
+  S = [[0.9, 0.5, 0.1]]  # rates 1.46, 1.50, 1.32: cap 2 is 2.6% faster than cap 1
+  assert P.depth_cap(S, costs, num_slots=1, keep=1, min_gain=0.02).cap == 2
+  assert P.depth_cap(S, costs, num_slots=1, keep=1, min_gain=0.03).cap == 1
+  assert P.depth_cap(S, costs, num_slots=1, keep=3, min_gain=0.03).cap == 2
+  with pytest.raises(ValueError, match="keep"):
+    P.depth_cap(S, costs, num_slots=1, keep=4)
 
 
 def test_depth_cap_refuses_bad_input():

@@ -73,3 +73,29 @@ def test_recorded_streams_are_consistent():
   assert np.all(probs[reached] > 0)
   # The mean true probability at depth 1 matches the accept rate there (many samples).
   np.testing.assert_allclose(probs[:, 0].mean(), (acc > 0).mean(), atol=0.03)
+
+
+def test_depth_cap_arm_runs_av_on_the_chosen_engine():
+  """`av-depth-cap` at a point where the best static arm is shallow (block mixed h200
+  B = 64: fixed:2-3) picks a small cap (its warm-up requests, not the replayed ones),
+  emits the same tokens as every arm, and beats AV on the K = 8 engine there; the
+  cap's run is the `av` arm replayed on the truncated streams with that cap's tables
+  (the negative control: with the drafting priced double it is not the same run)."""
+  pool = R.load_pool("block", "mixed")
+  point = R.Point("block", "mixed", "h200", 64)
+  res = R.replay_point(point, arms=["fixed:2", "av", "av-depth-cap"], pool=pool,
+                       num_requests=192, length=64)
+  cap = res["av-depth-cap"]["depth_cap"]
+  assert 1 <= cap <= 4
+  assert len({round(r["tokens"]) for r in res.values()}) == 1
+  assert res["av-depth-cap"]["tokens_per_s"] > res["av"]["tokens_per_s"]
+  sub = R._truncated(pool, cap)
+  again = R.replay_point(point, arms=["av"], pool=sub, num_requests=192, length=64,
+                         cost_fn=lambda k: R.deployment_cost("h200", "block", 64, k, cap))
+  assert again["av"]["tokens_per_s"] == pytest.approx(res["av-depth-cap"]["tokens_per_s"],
+                                                      rel=1e-5)
+  base = R.deployment_cost("h200", "block", 64, cap, cap)
+  dearer = R.replay_point(point, arms=["av"], pool=sub, num_requests=192, length=64,
+                          cost_fn=lambda k: base._replace(
+                              draft_depth_ms=2.0 * base.draft_depth_ms))
+  assert dearer["av"]["tokens_per_s"] != pytest.approx(again["av"]["tokens_per_s"], rel=1e-3)

@@ -308,14 +308,10 @@ def replay_point(point: Point, *, arms: Sequence[str], pool: Pool, num_requests:
       continue
     if arm in ADAPTIVE or arm.startswith(("av-explore:", "av-est:")):
       policy = _policy(arm, K, kind, refit_interval, shared_passes)
-      state = policy.init(B)
       cost, k = cost_fn(K), 0
-      if warm:  # a server that has been running: the estimator starts fitted
-        warmup = make_requests(pool, num=max(B, 32), length=length, seed=seed + 7919)
-        _, state = _run(pool.features, pool.accepted, pool.accept_probs, warmup, cost, 0,
-                        state, arm=arm, num_slots=B, kind=kind, policy=policy,
-                        block_choice=block_choice, shared_passes=shared_passes)
-        state = policy.init(B)._replace(estimator=state.estimator)
+      state = (_warm(policy, pool, cost, B=B, kind=kind, arm=arm, length=length, seed=seed,
+                     block_choice=block_choice, shared_passes=shared_passes)
+               if warm else policy.init(B))
       mode = arm
     elif arm == "oracle":
       policy, state, cost, k, mode = None, jnp.zeros(()), cost_fn(K), 0, "oracle"
@@ -345,14 +341,34 @@ def _truncated(pool: Pool, k: int) -> Pool:
                        accepted=jnp.minimum(pool.accepted, k))
 
 
-def _warm(policy: P.Policy, pool: Pool, warmup: Requests, cost: P.StepCost, *, B: int,
-          kind: str, shared_passes: bool) -> P.PolicyState:
-  """A fresh state with the estimator fitted on a replay of `warmup` (a server that has
-  been running)."""
-  _, state = _run(pool.features, pool.accepted, pool.accept_probs, warmup, cost, 0,
-                  policy.init(B), arm="av", num_slots=B, kind=kind, policy=policy,
-                  shared_passes=shared_passes)
-  return policy.init(B)._replace(estimator=state.estimator)
+# A warm estimator has been refitted at least this many times (a server that has been
+# running): warm-up runs of fresh requests repeat until it has, at most `_WARM_RUNS` runs.
+WARM_REFITS = 8
+_WARM_RUNS = 32
+
+
+def warmup_requests(pool: Pool, *, B: int, length: int, seed: int, run: int = 0) -> Requests:
+  """The requests of warm-up run `run` (other requests than the replayed ones)."""
+  return make_requests(pool, num=max(B, 32), length=length, seed=seed + 7919 * (run + 1))
+
+
+def _warm(policy: P.Policy, pool: Pool, cost: P.StepCost, *, B: int, kind: str, length: int,
+          seed: int, arm: str = "av", block_choice: bool = False,
+          shared_passes: bool = False) -> P.PolicyState:
+  """A fresh state whose estimator was fitted by replaying warm-up requests until it has
+  been refitted `WARM_REFITS` times. Example: eagle math at B = 16 emits 32 warm-up
+  requests in ~13 steps, so a refit every 16 steps needs ~10 runs for 8 refits."""
+  state = policy.init(B)
+  for run in range(_WARM_RUNS):
+    warmup = warmup_requests(pool, B=B, length=length, seed=seed, run=run)
+    _, state = _run(pool.features, pool.accepted, pool.accept_probs, warmup, cost, 0,
+                    state, arm=arm, num_slots=B, kind=kind, policy=policy,
+                    block_choice=block_choice, shared_passes=shared_passes)
+    state = policy.init(B)._replace(estimator=state.estimator)
+    refits = getattr(state.estimator, "num_refits", None)
+    if refits is None or int(refits) >= WARM_REFITS:
+      break
+  return state
 
 
 def _capped_av(point: Point, *, pool: Pool, requests: Requests, length: int, seed: int,
@@ -363,10 +379,11 @@ def _capped_av(point: Point, *, pool: Pool, requests: Requests, length: int, see
   predicted more than 2% faster (as `compare --depth-cap` does); then AV, warmed again
   at that cap, replays the requests on it."""
   K, B, kind = int(pool.features.shape[1]), point.concurrency, KIND[point.drafter]
-  warmup = make_requests(pool, num=max(B, 32), length=length, seed=seed + 7919)
+  warmup = warmup_requests(pool, B=B, length=length, seed=seed)
   policy = _policy("av", K, kind, refit_interval, shared_passes)
   caps = [deployment_cost(point.device, point.drafter, B, k, k) for k in range(1, K + 1)]
-  state = _warm(policy, pool, warmup, caps[-1], B=B, kind=kind, shared_passes=shared_passes)
+  warm = dict(B=B, kind=kind, length=length, seed=seed, shared_passes=shared_passes)
+  state = _warm(policy, pool, caps[-1], **warm)
   # One curve per warm-up request: the mean predicted survival over its recorded steps.
   starts, lengths = np.asarray(warmup.start), np.asarray(warmup.length)
   rows = np.concatenate([np.arange(a, a + n) for a, n in zip(starts, lengths)])
@@ -376,8 +393,7 @@ def _capped_av(point: Point, *, pool: Pool, requests: Requests, length: int, see
   cap = P.depth_cap(survival, caps, num_slots=B, keep=K, min_gain=0.02).cap
   sub = _truncated(pool, cap)
   policy = _policy("av", cap, kind, refit_interval, shared_passes)
-  state = _warm(policy, sub, warmup, caps[cap - 1], B=B, kind=kind,
-                shared_passes=shared_passes)
+  state = _warm(policy, sub, caps[cap - 1], **warm)
   tot, _ = _run(sub.features, sub.accepted, sub.accept_probs, requests, caps[cap - 1], 0,
                 state, arm="av", num_slots=B, kind=kind, policy=policy,
                 shared_passes=shared_passes)

@@ -357,7 +357,7 @@ def _warm(policy: P.Policy, pool: Pool, cost: P.StepCost, *, B: int, kind: str, 
           shared_passes: bool = False) -> P.PolicyState:
   """A fresh state whose estimator was fitted by replaying warm-up requests until it has
   been refitted `WARM_REFITS` times. Example: eagle math at B = 16 emits 32 warm-up
-  requests in ~13 steps, so a refit every 16 steps needs ~10 runs for 8 refits."""
+  requests in ~24 steps, so a refit every 16 steps needs ~6 runs for 8 refits."""
   state = policy.init(B)
   for run in range(_WARM_RUNS):
     warmup = warmup_requests(pool, B=B, length=length, seed=seed, run=run)

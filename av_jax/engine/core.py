@@ -292,7 +292,7 @@ def _prepared(engine: Engine, state: DecodeState) -> DecisionState:
 
 def _gated_step(engine: Engine, params: Params, state: DecodeState, *, key: jax.Array,
                 k_draft: jax.Array, k_verify: jax.Array, quiet: bool = False,
-                drafting_only: bool = False) -> tuple[DecodeState, StepInfo]:
+                drafting_only: bool = False, decision=None) -> tuple[DecodeState, StepInfo]:
   """A step under subset drafting: only the slots the decider's plan names draft.
 
   With n drafting slots, the drafting slots (then other slots as padding, whose outputs
@@ -310,11 +310,12 @@ def _gated_step(engine: Engine, params: Params, state: DecodeState, *, key: jax.
   verification is a target-only step's (`_target_step`, no verify switch), with the
   values of this step's branch 0. `drafting_only` (static): the program of a step on
   which some slot drafts (`next_drafts` True, `run_mode`): only the drafting branches,
-  and verification through the packed buckets alone.
+  and verification through the packed buckets alone. `decision`: `_prepared(engine,
+  state)` where the caller has it already (`run_mode`), so the plan is made once a step.
   """
   cfg, decider, active, drafter = engine.config, engine.decider, state.active, engine.drafter
   B, K = cfg.num_slots, cfg.max_draft
-  decision = _prepared(engine, state)
+  decision = _prepared(engine, state) if decision is None else decision
   slots = (jnp.zeros((B,), bool) if quiet
            else decider.draft_slots(decision, active))                    # [B] bool
   # Lazy catch-up: a slot whose backlog is full (`Drafter.full_rows`) absorbs it in this
@@ -394,8 +395,8 @@ def next_drafts(engine: Engine, state: DecodeState) -> jax.Array:
   return jnp.any(engine.decider.draft_slots(_prepared(engine, state), state.active))
 
 
-def quiet_step(engine: Engine, params: Params,
-               state: DecodeState) -> tuple[DecodeState, StepInfo]:
+def quiet_step(engine: Engine, params: Params, state: DecodeState,
+               decision=None) -> tuple[DecodeState, StepInfo]:
   """The step of a gated engine on which no slot drafts (`next_drafts` False), in its own
   program: what `step` computes there, without the drafting branches and the verify
   switch (a target-only step's pass, the drafter's catch-up and the decision's
@@ -405,11 +406,11 @@ def quiet_step(engine: Engine, params: Params,
                      f"drafting), got mode {engine.config.mode!r}")
   key, k_draft, k_verify = jax.random.split(state.key, 3)
   return _gated_step(engine, params, state, key=key, k_draft=k_draft, k_verify=k_verify,
-                     quiet=True)
+                     quiet=True, decision=decision)
 
 
-def drafting_step(engine: Engine, params: Params,
-                  state: DecodeState) -> tuple[DecodeState, StepInfo]:
+def drafting_step(engine: Engine, params: Params, state: DecodeState,
+                  decision=None) -> tuple[DecodeState, StepInfo]:
   """The step of a gated engine on which some slot drafts (`next_drafts` True), in its
   own program: what `step` computes there, without the branches of a step that drafts
   for no slot (no plain target pass, no backlog-only absorb). Run only where
@@ -419,7 +420,7 @@ def drafting_step(engine: Engine, params: Params,
                      f"subset drafting), got mode {engine.config.mode!r}")
   key, k_draft, k_verify = jax.random.split(state.key, 3)
   return _gated_step(engine, params, state, key=key, k_draft=k_draft, k_verify=k_verify,
-                     drafting_only=True)
+                     drafting_only=True, decision=decision)
 
 
 def run_mode(engine: Engine, params: Params, state: DecodeState, limit: jax.Array, *,
@@ -435,24 +436,27 @@ def run_mode(engine: Engine, params: Params, state: DecodeState, limit: jax.Arra
   the count are zeros) and the count of steps run.
   """
   n = num_steps or engine.config.programs.steps_per_chunk
-  one = (lambda s: quiet_step(engine, params, s)) if quiet else (
-      lambda s: drafting_step(engine, params, s))
-  shapes = jax.eval_shape(lambda s: one(s)[1], state)
+  one = quiet_step if quiet else drafting_step
+  shapes = jax.eval_shape(lambda s: one(engine, params, s)[1], state)
   records = jax.tree.map(lambda x: jnp.zeros((n,) + x.shape, x.dtype), shapes)
   limit = jnp.minimum(jnp.asarray(limit, jnp.int32), n)
+  # The plan of the next step is made once: the loop's condition reads it, and the step
+  # runs on it (a plan is a function of the state alone, so it is the one the step would
+  # make; making it again would add the decision's cost to every step a second time).
 
   def go_on(carry):
-    i, state, _ = carry
-    drafts = next_drafts(engine, state)
+    i, state, decision, _ = carry
+    drafts = jnp.any(engine.decider.draft_slots(decision, state.active))
     return (i < limit) & (~drafts if quiet else drafts)
 
   def body(carry):
-    i, state, records = carry
-    state, info = one(state)
-    return i + 1, state, jax.tree.map(lambda r, x: r.at[i].set(x), records, info)
+    i, state, decision, records = carry
+    state, info = one(engine, params, state, decision)
+    return (i + 1, state, _prepared(engine, state),
+            jax.tree.map(lambda r, x: r.at[i].set(x), records, info))
 
-  count, state, records = jax.lax.while_loop(go_on, body, (jnp.zeros((), jnp.int32), state,
-                                                           records))
+  count, state, _, records = jax.lax.while_loop(
+      go_on, body, (jnp.zeros((), jnp.int32), state, _prepared(engine, state), records))
   return state, records, count
 
 

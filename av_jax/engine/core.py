@@ -389,10 +389,12 @@ def splits_quiet(engine: Engine) -> bool:
               and engine.config.programs.quiet_program)
 
 
-def next_drafts(engine: Engine, state: DecodeState) -> jax.Array:
+def next_drafts(engine: Engine, state: DecodeState, decision=None) -> jax.Array:
   """[] bool: the next step of a gated engine drafts for some slot (its plan,
-  `decider.draft_slots`, a function of the state alone)."""
-  return jnp.any(engine.decider.draft_slots(_prepared(engine, state), state.active))
+  `decider.draft_slots`, a function of the state alone; `decision`: that plan,
+  `_prepared(engine, state)`, where the caller has made it)."""
+  decision = _prepared(engine, state) if decision is None else decision
+  return jnp.any(engine.decider.draft_slots(decision, state.active))
 
 
 def quiet_step(engine: Engine, params: Params, state: DecodeState,
@@ -446,7 +448,7 @@ def run_mode(engine: Engine, params: Params, state: DecodeState, limit: jax.Arra
 
   def go_on(carry):
     i, state, decision, _ = carry
-    drafts = jnp.any(engine.decider.draft_slots(decision, state.active))
+    drafts = next_drafts(engine, state, decision)
     return (i < limit) & (~drafts if quiet else drafts)
 
   def body(carry):

@@ -297,12 +297,13 @@ def forward_ms(shape: costs.ModelShape, batches, *, max_requests: int, context: 
 
 
 def packed_batches(tokens, max_requests: int) -> list[tuple[int, int]]:
-  """T packed tokens as (R, S): R = min(T, max_requests) requests of S = T / R tokens."""
+  """T packed tokens as (R, S): R requests of S = T / R tokens each, R the largest divisor
+  of T up to `max_requests` (96 tokens over at most 64 requests: 48 requests of 2)."""
   out = []
   for t in tokens:
-    r = min(t, max_requests)
-    if t % r:
-      raise ValueError(f"tokens: {t} is not a multiple of the {r} requests")
+    if t < 1:
+      raise ValueError(f"tokens: {t} packed tokens, expected at least 1")
+    r = max(d for d in range(1, min(t, max_requests) + 1) if t % d == 0)
     out.append((r, t // r))
   return out
 
@@ -346,8 +347,9 @@ def verify_table(*, quick: bool, repeats: int, bytes_limit, clock: Clock) -> dic
 # ----------------------------------------------------------------------------- compare
 
 
-COMPARE = dict(drafters="block", workloads="mixed", arms="target_only,fixed:4,fixed:8,av",
-               concurrency=(1, 16, 64), repeats=2, max_new=48)
+COMPARE = dict(drafters="block", workloads="mixed",
+               arms="target_only,fixed:1,fixed:2,fixed:4,fixed:8,av", concurrency=(1, 16, 64),
+               repeats=2, max_new=48, warm_start=True)
 # Quick (CPU, in the test suite): two arms at K = 2, one concurrency, a few tokens.
 QUICK_COMPARE = dict(drafters="block", workloads="code", arms="fixed:2,av", concurrency=(2,),
                      repeats=1, max_new=6, max_draft=2)
@@ -363,7 +365,6 @@ def run_compare(out: str, *, quick: bool, clock: Clock | None = None) -> dict:
   """
   from av_lab import compare as C  # pylint: disable=g-import-not-at-top  (deferred: loads
   # the models and the engine, which the other measurements do not need)
-  del out
   preset = dict(QUICK_COMPARE if quick else COMPARE)
   concurrency = preset.pop("concurrency")
   merged, skipped = None, []
@@ -378,6 +379,9 @@ def run_compare(out: str, *, quick: bool, clock: Clock | None = None) -> dict:
     else:
       merged["results"] += part["results"]
       merged["settings"]["seconds"] += part["settings"]["seconds"]
+    # Written after every concurrency: a run cut off by its time limit keeps what it measured.
+    with open(os.path.join(out, "compare.json"), "w") as f:
+      json.dump(merged, f, indent=1)
   merged["settings"]["concurrency"] = [c for c in concurrency if c not in skipped]
   merged["skipped_for_time"] = skipped
   return merged

@@ -27,7 +27,9 @@ arm replays the same requests:
 * ablations of `av` (`av-prior`: no per-request memory; `av-noexplore`: no exploration).
 
 Example: `python -m av_lab.replay --drafters block --workloads mixed --concurrency 64
---devices h200` prints every arm's modelled tokens/s and AV's ratio to the best static arm.
+--devices h200` prints every arm's modelled tokens/s and AV's ratio to the best static arm;
+`--devices av_lab/tables/h100-measured-llama3-8b-eagle3.json` prices the steps with a
+device's measured cost table instead (`table_cost`).
 """
 
 from __future__ import annotations
@@ -262,7 +264,11 @@ def deployment_cost(device: str, drafter: str, num_slots: int, k: int, K: int,
   """The modelled llama3-8b deployment's prices for a K = k engine (k = 0: no drafter).
   A parallel drafter's pass drafts its whole block of k (the engine's); with
   `block_choice` its depth columns are the pass's increments with the block size (an
-  engine that can run a smaller block on a step)."""
+  engine that can run a smaller block on a step). `device` may instead name a cost-table
+  file (`*.json`, `av_jax.costs.save_cost_table`, such as a device's measured table):
+  `table_cost` prices from it."""
+  if device.endswith(".json"):
+    return table_cost(device, num_slots, k, K)
   tables = lambda k, drafter: costs.roofline_costs(
       "llama3-8b", drafter, device, drafter_kind=KIND[drafter_name], num_slots=num_slots,
       max_draft=max(k, 1), context_len=context_len)
@@ -273,6 +279,26 @@ def deployment_cost(device: str, drafter: str, num_slots: int, k: int, K: int,
               for d in range(1, k + 1)]
     top = top._replace(draft_depth_ms=P.StepCost.parallel_depths(np.stack(passes)))
   return pad_cost(top, K, num_slots)
+
+
+@functools.lru_cache(maxsize=512)
+def table_cost(path: str, num_slots: int, k: int, K: int) -> P.StepCost:
+  """A K = k engine's prices from a cost-table file: its verify table, and its drafter's
+  first k depth columns (none for k = 0). The file prices the drafter it was measured
+  with (`benchmarks/accelerator.py` measures an EAGLE-3-shaped, autoregressive one: replay
+  autoregressive drafters on it). Example: the H100 table, 64 rows, replayed at B = 16,
+  k = 2 prices a step drafting 16 rows two depths deep at `draft_depth_ms[16, :2].sum()`.
+
+  Raises:
+    ValueError: naming `path`, where the table has fewer drafter rows than `num_slots`.
+  """
+  tables = costs.load_cost_table(path)
+  rows = np.asarray(tables.draft_depth_ms).shape[0] - 1
+  if num_slots > rows:
+    raise ValueError(f"devices: {path} prices up to {rows} drafting requests, "
+                     f"got concurrency {num_slots}")
+  depth = np.asarray(tables.draft_depth_ms)[:, :k] if k else np.zeros((rows + 1, 1))
+  return pad_cost(tables._replace(draft_depth_ms=depth), K, num_slots)
 
 
 @dataclasses.dataclass(frozen=True)

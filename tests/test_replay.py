@@ -120,3 +120,28 @@ def test_warm_estimator_has_been_refitted_where_requests_are_short():
   point = R.Point("eagle", "math", "h100", B)
   warmed = R.replay_point(point, arms=["av"], pool=pool, num_requests=96, length=64)
   assert abs(warmed["av"]["calibration"] - 1.0) < 0.1
+
+
+def test_a_cost_table_file_prices_the_replay(tmp_path):
+  # A table saved from the roofline's K = 8 eagle tables prices a K = 8 engine exactly as
+  # the roofline does; a K = 2 engine pays the file's first two depth columns; target-only
+  # pays no drafting; more slots than the table's drafter rows is an error naming devices.
+  from av_jax import costs
+  B, K = 4, 8
+  tables = costs.roofline_costs("llama3-8b", R.SHAPES["eagle"], "h100",
+                                drafter_kind="autoregressive", num_slots=B, max_draft=K,
+                                context_len=2048)
+  path = str(tmp_path / "h100.json")
+  costs.save_cost_table(path, tables)
+  from_file = R.deployment_cost(path, "eagle", B, K, K)
+  modelled = R.deployment_cost("h100", "eagle", B, K, K)
+  np.testing.assert_allclose(np.asarray(from_file.draft_depth_ms),
+                             np.asarray(modelled.draft_depth_ms), rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(from_file.verify_ms),
+                             np.asarray(modelled.verify_ms), rtol=1e-6)
+  two = np.asarray(R.table_cost(path, B, 2, K).draft_depth_ms)
+  np.testing.assert_allclose(two[:, :2], np.asarray(tables.draft_depth_ms)[:, :2], rtol=1e-6)
+  assert not two[:, 2:].any() and two[B, 1] > 0
+  assert not np.asarray(R.table_cost(path, B, 0, K).draft_depth_ms).any()
+  with pytest.raises(ValueError, match="devices: .*up to 4 drafting requests"):
+    R.table_cost(path, B + 1, 2, K)

@@ -33,14 +33,15 @@ def _random_cache(cfg, batch, max_len, seed):
 
 
 @pytest.mark.parametrize("width", [None, 4])
-@pytest.mark.parametrize("seed", range(4))
-def test_the_read_pass_and_its_write_equal_the_writing_pass(seed, width):
+@pytest.mark.parametrize("seed,B", [(0, 4), (1, 4), (2, 4), (3, 4), (4, 1), (5, 1)])
+def test_the_read_pass_and_its_write_equal_the_writing_pass(seed, B, width):
   """Random slots, runs of positions per slot (over stale entries), padding anywhere;
-  attention per token (`slot_width` None) and per slot (runs of <= 4 tokens)."""
+  attention per token (`slot_width` None) and per slot (runs of <= 4 tokens); one slot
+  (B = 1: the per-slot branches read the stacked cache without its slot axis) too."""
   cfg = tiny_config().target
   params = M.init_params(cfg, jax.random.PRNGKey(seed))
   r = np.random.default_rng(seed)
-  B, M_, T_ = 4, 24, 12
+  M_, T_ = 24, 12
   cache = _random_cache(cfg, B, M_, seed)  # every entry is junk the pass must not read
   slot, pos, valid = [], [], []
   for b in r.permutation(B)[:3]:  # three slots, each a run of 1..4 tokens
@@ -143,6 +144,19 @@ def test_no_step_copies_the_target_cache(kind, mode):
   cfg, drafter, params = pair(kind)
   B, max_len = 4, 64
   engine = core.make_engine(core.EngineConfig(mode=mode, num_slots=B, max_draft=4, max_len=max_len,
+                                              programs=Programs(steps_per_chunk=3)),
+                            cfg, drafter)
+  assert _loop_copies(engine, params, B, max_len) == 0
+
+
+@pytest.mark.parametrize("mode", ["fixed", "av"])
+def test_one_slot_verifying_copies_no_target_cache(mode):
+  """B = 1: the per-slot attention's branches get the stacked cache without its size-1
+  slot axis; given it whole, XLA copied the stacked cache into every layer's branch."""
+  cfg, drafter, params = pair("block")
+  B, max_len = 1, 64
+  engine = core.make_engine(core.EngineConfig(mode=mode, num_slots=B, max_draft=4,
+                                              max_len=max_len,
                                               programs=Programs(steps_per_chunk=3)),
                             cfg, drafter)
   assert _loop_copies(engine, params, B, max_len) == 0

@@ -242,9 +242,16 @@ def _attend_slotted_read(q, k, v, cache: LayerKV, *, slot, positions, write_posi
   lengths = length_buckets(max_len)
   live = jnp.max(jnp.where(valid, positions, 0)) + 1
 
+  # One slot: the branches take the stacked cache without its slot axis. XLA gives a
+  # conditional's operand with a size-1 axis a layout of its own and copies the whole
+  # stacked cache into it in every layer's branch (8 layers: 8 whole-cache copies a pass).
+  squeeze = layer is not None and batch == 1
+
   def branch(e, m):
     def run(cache_k, cache_v):
-      if layer is not None:
+      if squeeze:
+        cache_k, cache_v = cache_k[layer][None], cache_v[layer][None]
+      elif layer is not None:
         cache_k, cache_v = cache_k[layer], cache_v[layer]
       ck, cv = _read(cache_k[:, :, :m], q), _read(cache_v[:, :, :m], q)  # [B, H, m, Dh]
       wr = written[:, :m]
@@ -275,9 +282,10 @@ def _attend_slotted_read(q, k, v, cache: LayerKV, *, slot, positions, write_posi
   branches = [branch(e, m) for e in rows_e for m in lengths]
   index = (_bucket(rows_e, jnp.sum(multi)) * len(lengths)
            + _bucket(lengths, live)).astype(jnp.int32)
+  operands = (cache.k[:, 0], cache.v[:, 0]) if squeeze else (cache.k, cache.v)
   if len(branches) == 1:
-    return branches[0](cache.k, cache.v)
-  return jax.lax.switch(index, branches, cache.k, cache.v)
+    return branches[0](*operands)
+  return jax.lax.switch(index, branches, *operands)
 
 
 class Attention(nn.Module):

@@ -199,6 +199,17 @@ def _attend_rows(q, p, cache_k, cache_v, written, k, v, valid, positions, scale)
           + jnp.einsum("bhij,bjhd->bihd", weights[..., m:], v))
 
 
+def _one_layer(x: jax.Array, layer: int | None, squeezed: bool) -> jax.Array:
+  """Layer `layer` of a stacked cache leaf `[L, B, H, M, Dh]` as `[B, H, M, Dh]` (`x`
+  itself when `layer` is None); `squeezed`: `x` is `[L, H, M, Dh]`, the stacked leaf of a
+  one-slot cache without its slot axis, which is put back. One-slot caches reach the
+  attention branches so: XLA gives a conditional's operand with a size-1 axis a layout of
+  its own, and copied the whole stacked cache into every layer's branch."""
+  if layer is None:
+    return x
+  return x[layer][None] if squeezed else x[layer]
+
+
 def _attend_slotted_read(q, k, v, cache: LayerKV, *, slot, positions, write_positions,
                          width: int, layer: int | None = None):
   """`_attend_packed_read` computed per slot, reading each slot's cache once.
@@ -242,17 +253,11 @@ def _attend_slotted_read(q, k, v, cache: LayerKV, *, slot, positions, write_posi
   lengths = length_buckets(max_len)
   live = jnp.max(jnp.where(valid, positions, 0)) + 1
 
-  # One slot: the branches take the stacked cache without its slot axis. XLA gives a
-  # conditional's operand with a size-1 axis a layout of its own and copies the whole
-  # stacked cache into it in every layer's branch (8 layers: 8 whole-cache copies a pass).
-  squeeze = layer is not None and batch == 1
+  squeeze = layer is not None and batch == 1  # `_one_layer`
 
   def branch(e, m):
     def run(cache_k, cache_v):
-      if squeeze:
-        cache_k, cache_v = cache_k[layer][None], cache_v[layer][None]
-      elif layer is not None:
-        cache_k, cache_v = cache_k[layer], cache_v[layer]
+      cache_k, cache_v = _one_layer(cache_k, layer, squeeze), _one_layer(cache_v, layer, squeeze)
       ck, cv = _read(cache_k[:, :, :m], q), _read(cache_v[:, :, :m], q)  # [B, H, m, Dh]
       wr = written[:, :m]
       # Part A: each slot's first token, to its cache and itself.
@@ -283,9 +288,8 @@ def _attend_slotted_read(q, k, v, cache: LayerKV, *, slot, positions, write_posi
   index = (_bucket(rows_e, jnp.sum(multi)) * len(lengths)
            + _bucket(lengths, live)).astype(jnp.int32)
   operands = (cache.k[:, 0], cache.v[:, 0]) if squeeze else (cache.k, cache.v)
-  if len(branches) == 1:
-    return branches[0](*operands)
-  return jax.lax.switch(index, branches, *operands)
+  return (branches[0](*operands) if len(branches) == 1
+          else jax.lax.switch(index, branches, *operands))
 
 
 class Attention(nn.Module):

@@ -72,6 +72,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
   p.add_argument("--repeats", type=at_least(1), default=1,
                  help="timed runs per arm and clock, interleaved")
   p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--compile-workers", type=at_least(1), default=min(2, os.cpu_count() or 1),
+                 help="engines compiled at once before the modelled runs (threads)")
   p.add_argument("--json", default=None, help="also write both comparisons' JSON here")
 
 
@@ -114,7 +116,8 @@ def run(args, *, progress: Callable[[str], None] | None = None,
                 temperature=args.temperature, top_p=args.top_p, seed=args.seed,
                 compiled=compiled, pairs=pairs, prompts=prompts)
   progress(f"compiling and decoding on the modelled clock {args.clock} ...")
-  modelled = C.compare(clock=args.clock, log=_compare_log(progress, "modelled"), **common)
+  modelled = C.compare(clock=args.clock, log=_compare_log(progress, "modelled"),
+                       compile_workers=args.compile_workers, **common)
   progress("decoding again on this machine's wall clock (engines compiled above) ...")
   wall = C.compare(clock="wall", log=_compare_log(progress, "wall"),
                    wall_cost=lambda pair, engine: C.machine_tables(

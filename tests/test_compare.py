@@ -302,3 +302,28 @@ def test_drafting_cost_share_by_hand():
   assert C._drafting_cost_share(cost, engine, active, verified, drafted & False, rows,
                                 busy) == 0.0
   assert C._drafting_cost_share(None, engine, active, verified, drafted, rows, busy) is None
+
+
+def test_compiling_ahead_in_threads_changes_no_modelled_figure():
+  """`compile_workers=2` builds and warms every engine of a modelled sweep in two threads
+  before any run; the modelled figures (priced by tables, decoded with fixed keys) are
+  those of one-at-a-time compiles, and every compile precedes the first group's table."""
+  out = {}
+  for workers in (1, 2):
+    lines = []
+    result = C.compare(drafters="block", workloads="code", concurrency=[1, 2],
+                       arms="fixed:2,av", repeats=1, clock="h200:llama3-8b", max_draft=2,
+                       max_new=6, prompt_len=6, requests_per_slot=2, steps_per_chunk=4,
+                       refit_interval=4, warm_start=True, pairs={"block": _pair("block")},
+                       prompts=_prompts, log=lines.append, compile_workers=workers)
+    out[workers] = {(r["concurrency"], r["arm"]): (r["tokens_per_s"], r["repeats"][0]["tokens"],
+                                                   r["repeats"][0]["steps"])
+                    for r in result["results"]}
+    compiled = [i for i, line in enumerate(lines) if line.startswith("  compiled")]
+    tables = [i for i, line in enumerate(lines) if line.startswith("block / code")]
+    assert len(compiled) == 4 and len(tables) == 2
+    if workers == 2:
+      assert max(compiled) < min(tables)
+    else:
+      assert min(tables) < max(compiled)  # the second group compiles after the first's runs
+  assert out[1] == out[2] and len(out[1]) == 4

@@ -20,6 +20,7 @@ import pytest
 from av_jax import models as M
 from av_jax.engine import batching, core, protocols
 from av_jax.engine.config import Programs
+from av_jax.models import layers
 from av_jax.models import transformer as T
 from av_jax.selection import make_cost_model
 
@@ -69,6 +70,31 @@ def test_the_read_pass_and_its_write_equal_the_writing_pass(seed, B, width):
   for a, b in ((written.k, ref.cache.k), (written.v, ref.cache.v)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
   assert out.cache is None
+
+
+@pytest.mark.parametrize("B", [1, 4])
+def test_a_pass_with_one_token_per_slot_takes_the_one_row_branch(B):
+  """No slot holds several tokens (a plain step's tokens through a verify layout of width
+  4): the per-slot attention runs its E = 1 branch, whose later-token row is discarded,
+  and equals the writing pass."""
+  cfg = tiny_config().target
+  params = M.init_params(cfg, jax.random.PRNGKey(7))
+  assert layers.draft_rows(B) == tuple(sorted({1, B}))
+  cache = _random_cache(cfg, B, 24, 7)
+  slot = jnp.asarray(list(range(B)) + [0, 0])
+  pos = jnp.asarray([5 + 3 * b for b in range(B)] + [0, 0])
+  valid = jnp.asarray([True] * B + [False, False])
+  tokens = jnp.asarray(np.random.default_rng(7).integers(0, cfg.vocab_size, B + 2))
+  ref = T.forward_packed(params, tokens, slot=slot, positions=pos, valid=valid, cache=cache,
+                         cfg=cfg)
+  out, writes = T.forward_packed_read(params, tokens, slot=slot, positions=pos, valid=valid,
+                                      cache=cache, cfg=cfg, slot_width=4)
+  written = T.write_packed(cache, writes, slot=slot, positions=pos, valid=valid)
+  v = np.asarray(valid)
+  np.testing.assert_allclose(np.asarray(out.logits)[v], np.asarray(ref.logits)[v],
+                             rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(written.k), np.asarray(ref.cache.k), rtol=1e-5,
+                             atol=1e-5)
 
 
 def test_per_slot_attention_needs_its_width_to_bound_every_slot():

@@ -175,10 +175,13 @@ def _bucket(sizes: tuple[int, ...], need: jax.Array) -> jax.Array:
 
 
 def draft_rows(batch: int) -> tuple[int, ...]:
-  """Static row counts E of the slots verifying drafts in a pass: 0, 1 and B (each is a
-  compiled branch of every layer's attention: few, to bound compile time). E.g.
-  `draft_rows(16)` is `(0, 1, 16)`."""
-  return tuple(sorted({0, 1, batch}))
+  """Static row counts E of the slots verifying drafts in a pass: 1 and B (each is a
+  compiled branch of every layer's attention, times the length buckets, times the
+  engine's verify buckets: few, to bound compile time). A pass in which no slot holds
+  several tokens takes E = 1, whose one row of later tokens is computed and discarded,
+  rather than a branch of its own. E.g. `draft_rows(16)` is `(1, 16)`, `draft_rows(1)`
+  is `(1,)`."""
+  return tuple(sorted({1, batch}))
 
 
 def _attend_rows(q, p, cache_k, cache_v, written, k, v, valid, positions, scale):
@@ -219,7 +222,7 @@ def _attend_slotted_read(q, k, v, cache: LayerKV, *, slot, positions, write_posi
   than one (drafts under verification) attend from an `[E, width - 1]` layout over
   those slots' caches only. Two static sizes are picked per pass from the data
   (`lax.switch`, one branch each): E, the smallest of `draft_rows(B)` holding the slots
-  with several tokens (0 for a pass of base tokens alone), and the cache length read,
+  with several tokens (0 where `width` is 1: base tokens alone), and the cache length read,
   the smallest of `length_buckets(M)` above every valid token's position (entries above
   a query's position are masked anyway). So verifying one slot's drafts costs a plain
   step's attention plus that slot's, and attention follows the live length, not M.
@@ -263,7 +266,7 @@ def _attend_slotted_read(q, k, v, cache: LayerKV, *, slot, positions, write_posi
       # Part A: each slot's first token, to its cache and itself.
       first = _attend_rows(Q[:, :1], P[:, :1], ck, cv, wr, Kn, Vn, W, P, scale)[:, 0]
       out = first[slot]                                              # [T, H, Dh]
-      if e == 0:
+      if e == 0:  # a pass of one token per slot (`width` 1)
         return out
       # Part B: the later tokens of the first e slots of `order`.
       if e == batch:

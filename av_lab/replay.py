@@ -380,10 +380,11 @@ def warmup_requests(pool: Pool, *, B: int, length: int, seed: int, run: int = 0)
 
 def _warm(policy: P.Policy, pool: Pool, cost: P.StepCost, *, B: int, kind: str, length: int,
           seed: int, arm: str = "av", block_choice: bool = False,
-          shared_passes: bool = False) -> P.PolicyState:
+          shared_passes: bool = False, runs: list | None = None) -> P.PolicyState:
   """A fresh state whose estimator was fitted by replaying warm-up requests until it has
   been refitted `WARM_REFITS` times. Example: eagle math at B = 16 emits 32 warm-up
-  requests in ~24 steps, so a refit every 16 steps needs ~6 runs for 8 refits."""
+  requests in ~24 steps, so a refit every 16 steps needs ~6 runs for 8 refits. `runs`:
+  a list that gets `(requests, state at the run's end)` of every warm-up run."""
   state = policy.init(B)
   for run in range(_WARM_RUNS):
     warmup = warmup_requests(pool, B=B, length=length, seed=seed, run=run)
@@ -391,6 +392,8 @@ def _warm(policy: P.Policy, pool: Pool, cost: P.StepCost, *, B: int, kind: str, 
                     state, arm=arm, num_slots=B, kind=kind, policy=policy,
                     block_choice=block_choice, shared_passes=shared_passes)
     state = policy.init(B)._replace(estimator=state.estimator)
+    if runs is not None:
+      runs.append((warmup, state))
     refits = getattr(state.estimator, "num_refits", None)
     if refits is None or int(refits) >= WARM_REFITS:
       break
@@ -403,19 +406,18 @@ def _capped_av(point: Point, *, pool: Pool, requests: Requests, length: int, see
   estimator's survival on the warm-up requests' recorded features (other requests than
   the replayed ones) and each cap's deployment tables, keeping K unless another cap is
   predicted more than 2% faster (as `compare --depth-cap` does); then AV, warmed again
-  at that cap, replays the requests on it."""
+  at that cap, replays the requests on it. Each warm-up run's requests are predicted
+  with the coefficients that run ended with, as the engine's warm-up samples its curves
+  with the coefficients in force (`compare._CurveSampler`): one refit does not decide."""
   K, B, kind = int(pool.features.shape[1]), point.concurrency, KIND[point.drafter]
-  warmup = warmup_requests(pool, B=B, length=length, seed=seed)
   policy = _policy("av", K, kind, refit_interval, shared_passes)
   caps = [deployment_cost(point.device, point.drafter, B, k, k) for k in range(1, K + 1)]
   warm = dict(B=B, kind=kind, length=length, seed=seed, shared_passes=shared_passes)
-  state = _warm(policy, pool, caps[-1], **warm)
+  runs: list = []
+  _warm(policy, pool, caps[-1], runs=runs, **warm)
   # One curve per warm-up request: the mean predicted survival over its recorded steps.
-  starts, lengths = np.asarray(warmup.start), np.asarray(warmup.length)
-  rows = np.concatenate([np.arange(a, a + n) for a, n in zip(starts, lengths)])
-  owner = np.repeat(np.arange(len(starts)), lengths)
-  per_row = np.asarray(policy.survival(state, pool.features[jnp.asarray(rows)]))
-  survival = np.stack([per_row[owner == i].mean(axis=0) for i in range(len(starts))])
+  survival = np.concatenate([_request_curves(policy, state, pool, warmup)
+                             for warmup, state in runs])
   cap = P.depth_cap(survival, caps, num_slots=B, keep=K, min_gain=0.02).cap
   sub = _truncated(pool, cap)
   policy = _policy("av", cap, kind, refit_interval, shared_passes)
@@ -424,6 +426,16 @@ def _capped_av(point: Point, *, pool: Pool, requests: Requests, length: int, see
                 state, arm="av", num_slots=B, kind=kind, policy=policy,
                 shared_passes=shared_passes)
   return dict(_totals(tot), depth_cap=cap)
+
+
+def _request_curves(policy: P.Policy, state: P.PolicyState, pool: Pool,
+                    requests: Requests) -> np.ndarray:
+  """`[N, K]`: each request's predicted survival under `state`, averaged over its rows."""
+  starts, lengths = np.asarray(requests.start), np.asarray(requests.length)
+  rows = np.concatenate([np.arange(a, a + n) for a, n in zip(starts, lengths)])
+  owner = np.repeat(np.arange(len(starts)), lengths)
+  per_row = np.asarray(policy.survival(state, pool.features[jnp.asarray(rows)]))
+  return np.stack([per_row[owner == i].mean(axis=0) for i in range(len(starts))])
 
 
 def summarize(result: dict[str, dict], K: int) -> dict:

@@ -101,6 +101,28 @@ def test_depth_cap_arm_runs_av_on_the_chosen_engine():
   assert dearer["av"]["tokens_per_s"] != pytest.approx(again["av"]["tokens_per_s"], rel=1e-3)
 
 
+def test_the_depth_cap_predicts_each_warm_up_run_with_its_own_coefficients():
+  """Eagle math, h200, B = 1024: the warm-up takes several runs (~2 refits a run) and the
+  position-0 intercept swings between refits. The cap's curves predict every run's
+  requests with the coefficients that run ended with, and keep a deep cap (fixed:5-8 are
+  the best static arms there). Negative control: the last refit's coefficients alone
+  (its slope 0) halve the predicted survival and pick cap 2."""
+  pool = R.load_pool("eagle", "math")
+  B, K = 1024, 8
+  policy = R._policy("av", K, "autoregressive", 16)
+  caps = [R.deployment_cost("h200", "eagle", B, k, k) for k in range(1, K + 1)]
+  runs = []
+  last = R._warm(policy, pool, caps[-1], B=B, kind="autoregressive", length=64, seed=0,
+                 runs=runs)
+  assert len(runs) >= 3 and runs[-1][1] is last
+  pick = lambda survival: P.depth_cap(survival, caps, num_slots=B, keep=K, min_gain=0.02).cap
+  over_runs = np.concatenate([R._request_curves(policy, state, pool, requests)
+                              for requests, state in runs])
+  assert pick(over_runs) >= 4
+  one_refit = R._request_curves(policy, last, pool, runs[0][0])
+  assert pick(one_refit) <= 2
+
+
 def test_warm_estimator_has_been_refitted_where_requests_are_short():
   """Eagle math requests finish in a few steps (most drafts are accepted): one warm-up
   run of 32 requests at B = 16 is ~24 steps, one refit at 16 steps a round; the warm-up

@@ -623,8 +623,8 @@ def _compile_ahead(runner: Runner, jobs: Sequence[tuple], *, workers: int) -> No
   """`runner.engine(*job)` for every job, `workers` at a time: XLA compiles outside the
   GIL, so on two cores two programs compile at once. Only for a modelled clock, whose
   figures are priced by tables, not timed. The adaptive arms (the longest compiles) go
-  first. Example: the demo's 8 engines (4 arms x 2 concurrencies) compile in ~1/2 to 2/3
-  of the time one at a time takes on this 2-core CPU."""
+  first. Example: the demo's 4 arms at 2 concurrencies are 8 jobs; with 2 workers its two
+  AV engines compile side by side, then the static arms two at a time."""
   jobs = sorted(jobs, key=lambda job: not get_arm(job[2].mode).adaptive)
   with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
     for future in [pool.submit(runner.engine, *job) for job in jobs]:

@@ -15,17 +15,22 @@ requests draft" and "stop after depth 2" are outcomes of one argmax (`choose`), 
 the deployment's tables: `draft_depth_ms[R_k, k]` for the R_k requests that draft depth
 k + 1, `verify_ms[T]` for T verified tokens.
 
-A step runs in two halves, both exact (docs/algorithm.md sections 5 and 10):
+The choice is made before drafting and again as drafts arrive, each time with what is
+known then; every use is exact (docs/algorithm.md sections 5 and 10):
 
 1. `plan`, before drafting, from information fixed before this step's draws: every
    active request's predicted survival curve (the estimator on its latest drafted
    features; the running mean feature of each depth where it has none) gives the rows
    that draft and each row's depth.
-2. `verify`, after drafting: with a parallel drafter or greedy drafting the drafts'
+2. `keep_drafting`, after each pass of a sampled autoregressive drafter: the drafted
+   positions are sunk and will be verified, their survival from their own features;
+   a request drafts on while the best candidate holds a later position (it may stop
+   before its planned depth or go past it). The decision to draft depth j + 1 reads
+   features of depths <= j: a stopping rule.
+3. `verify`, after drafting: with a parallel drafter or greedy drafting the drafts'
    distributions do not depend on this step's draws, so the choice is made again over
    the drafted positions with their own features (the drafting cost now sunk); with
-   sampled autoregressive drafting the planned positions are verified (a set fixed
-   before the draws).
+   sampled autoregressive drafting every drafted position is verified.
 
 Exploration (`explore_credit`) keeps labels arriving at every depth: one request, round
 robin, drafts and verifies all K positions whenever the exploration credit, a stated
@@ -111,7 +116,8 @@ class Choice(NamedTuple):
 
 def choose(survival: jax.Array, *, eligible: jax.Array, forced: jax.Array,
            active: jax.Array, cost: StepCost, sunk_ms: jax.typing.ArrayLike = 0.0,
-           price_drafting: bool = True, shared_passes: bool = False) -> Choice:
+           price_drafting: bool = True, shared_passes: bool = False,
+           others: jax.typing.ArrayLike = 0) -> Choice:
   """The candidate set of draft positions with the highest expected tokens per ms.
 
   Candidates: for each depth cap d = 1..K (drafting passes or block size), the top n of
@@ -132,6 +138,8 @@ def choose(survival: jax.Array, *, eligible: jax.Array, forced: jax.Array,
     shared_passes: every drafting request pays every pass up to the deepest chosen depth
       (a parallel drafter's block; a static-shape batch of an autoregressive drafter,
       whose passes run every drafting row); else each request pays its own depths.
+    others: active requests outside these rows (they emit their one token and are
+      verified with the step: counted in the expected tokens and the verify price).
 
   Returns:
     The `Choice`; n = 0 (nothing drafted or verified) when nothing pays.
@@ -152,7 +160,7 @@ def choose(survival: jax.Array, *, eligible: jax.Array, forced: jax.Array,
   prefix = lambda x: jnp.concatenate([jnp.zeros_like(x[:, :1]), jnp.cumsum(x, axis=1)], 1)
   gain = prefix(jnp.where(in_cap, ranked_s[None, :], 0.0))                  # [C, M + 1]
   n = prefix(in_cap.astype(jnp.int32))                                      # [C, M + 1]
-  num_active = jnp.sum(active, dtype=jnp.int32)
+  num_active = jnp.sum(active, dtype=jnp.int32) + jnp.asarray(others, jnp.int32)
   total = jnp.asarray(sunk_ms, jnp.float32) + cost.verify(num_active + n)
   if price_drafting:
     rows = prefix(jax.nn.one_hot(ranked_k, K, dtype=jnp.int32)[None] * in_cap[..., None])
@@ -424,6 +432,45 @@ class Policy:
     return Plan(draft=draft, depth=depth.astype(jnp.int32), num=choice.num, explore=explore,
                 explore_ms=jnp.where(jnp.any(explore), self._explore_ms(active, cost), 0.0),
                 expected=choice.expected, cost_ms=choice.cost_ms)
+
+  def keep_drafting(self, state: PolicyState, plan: Plan, probs: jax.Array,
+                    drafted: jax.Array, depth: jax.typing.ArrayLike, *, active: jax.Array,
+                    cost: StepCost, num_active: jax.typing.ArrayLike | None = None
+                    ) -> jax.Array:
+    """After `depth` passes of an autoregressive drafter: `[B]` bool, the requests that
+    draft depth + 1. The choice is made again with what is now known: the drafted
+    positions (`drafted [B, K]`) are sunk and will be verified, with acceptance `probs
+    [B, K]` from their own features (read where drafted); the later positions of the
+    requests still drafting carry their predicted acceptance; passes up to `depth` are
+    sunk, later ones priced. A request drafts on iff the best candidate holds a position
+    past its drafted ones. Whether depth j + 1 is drafted reads features up to depth j
+    only: a stopping rule, so verifying every drafted position stays exact
+    (docs/algorithm.md section 10). `num_active`: the step's active requests when `active`
+    covers a subset of them (the drafting rows), for the verify price.
+
+    Example (one request, K = 3, predicted acceptance 0.4 at every depth, verify 1.0 ms
+    for the base token + 0.1 ms a draft, a pass 0.1 ms): the plan drafts 1 position
+    (rate 1.4 / 1.2 beats 1.56 / 1.4). If the drafted feature reads acceptance 0.95,
+    depth 2 now pays ((1.95 + 0.38) / 1.4 > 1.95 / 1.2) and the request drafts on; if
+    it reads 0.5, it stops (1.7 / 1.4 < 1.5 / 1.2).
+    """
+    B, K = drafted.shape
+    col = jnp.arange(K)[None, :]
+    going = jnp.asarray(active, bool) & drafted[:, jnp.maximum(depth - 1, 0)]
+    predicted = self.estimator.predict(state.estimator, self.parts[1].read(state.memory))
+    survival = survival_of(jnp.where(drafted, probs, predicted))
+    eligible = going[:, None] | drafted
+    forced = (drafted | plan.explore[:, None]) & eligible
+    rows = jnp.sum(drafted, axis=0, dtype=jnp.int32)
+    if self.shared_passes:
+      rows = jnp.where(col[0] < depth, jnp.max(rows), 0)
+    later = cost._replace(draft_depth_ms=jnp.where(col[0] < depth, 0.0, cost.draft_depth_ms))
+    others = (0 if num_active is None
+              else jnp.asarray(num_active, jnp.int32) - jnp.sum(active, dtype=jnp.int32))
+    choice = choose(survival, eligible=eligible, forced=forced, active=active, cost=later,
+                    sunk_ms=cost.draft(rows), shared_passes=self.shared_passes,
+                    others=others)
+    return going & (choice.num > depth)
 
   def verify(self, state: PolicyState, plan: Plan, features: jax.Array, active: jax.Array,
              cost: StepCost, draft_ms: jax.typing.ArrayLike) -> jax.Array:

@@ -53,7 +53,7 @@ KIND = {"block": "parallel", "block_head": "parallel", "eagle": "autoregressive"
         "draft_lm": "autoregressive"}
 SHAPES = {"block": "llama3-8b-dflash", "block_head": "llama3-8b-dflash",
           "eagle": "llama3-8b-eagle3", "draft_lm": "llama3-8b-mtp"}
-ADAPTIVE = ("av", "av-true", "av-prior", "av-noexplore", "av-seer", "av-nodecay")
+ADAPTIVE = ("av", "av-true", "av-prior", "av-noexplore", "av-seer", "av-nodecay", "av-staged")
 
 
 class Pool(NamedTuple):
@@ -185,6 +185,9 @@ def _run(pool_f, pool_a, pool_p, requests: Requests, cost: P.StepCost, k_static,
       plan = policy.plan(state, active, cost)
       if parallel and not block_choice:  # the engine's block drafter drafts its block
         plan = plan._replace(depth=jnp.where(plan.draft, K, 0))
+      if arm.startswith("av-staged") and not policy.current:
+        staged_m, staged_depth = _staged(policy, state, plan, x, active, cost)
+        plan = plan._replace(depth=staged_depth, num=staged_m)
       depth, explore_ms = plan.depth, plan.explore_ms
     drafted = (j < depth[:, None]) & active[:, None]
     rows = jnp.sum(drafted, axis=0, dtype=jnp.int32)
@@ -217,6 +220,24 @@ def _run(pool_f, pool_a, pool_p, requests: Requests, cost: P.StepCost, k_static,
            state0, _zeros_totals())
   _, _, _, state, tot = jax.lax.while_loop(cond, body, carry)
   return tot, state
+
+
+def _staged(policy: P.Policy, state: P.PolicyState, plan: P.Plan, features, active,
+            cost: P.StepCost):
+  """An autoregressive drafter's passes under `Policy.keep_drafting`: the planned rows
+  draft depth 1, then each drafts on while the choice made again after the pass says so;
+  every drafted position is verified. Returns `(num [B], depth [B])`."""
+  B, K = features.shape
+  probs = policy.estimator.predict(state.estimator, features)
+  going = plan.draft & active
+  drafted = jnp.zeros((B, K), bool)
+  for j in range(K):
+    drafted = drafted.at[:, j].set(going)
+    if j + 1 < K:
+      going = policy.keep_drafting(state, plan, probs, drafted, j + 1, active=active,
+                                   cost=cost)
+  depth = jnp.sum(drafted, axis=1, dtype=jnp.int32)
+  return depth, depth
 
 
 @functools.lru_cache(maxsize=None)  # one object per arm: a compiled replay is reused
@@ -328,9 +349,10 @@ def replay_point(point: Point, *, arms: Sequence[str], pool: Pool, num_requests:
   requests = make_requests(pool, num=num_requests, length=length, seed=seed)
   out = {}
   for arm in arms:
-    if arm == "av-depth-cap":
+    if arm in ("av-depth-cap", "av-staged-depth-cap"):
       out[arm] = _capped_av(point, pool=pool, requests=requests, length=length, seed=seed,
-                            refit_interval=refit_interval, shared_passes=shared_passes)
+                            refit_interval=refit_interval, shared_passes=shared_passes,
+                            arm=arm.removesuffix("-depth-cap"))
       continue
     if arm in ADAPTIVE or arm.startswith(("av-explore:", "av-est:")):
       policy = _policy(arm, K, kind, refit_interval, shared_passes)
@@ -401,7 +423,7 @@ def _warm(policy: P.Policy, pool: Pool, cost: P.StepCost, *, B: int, kind: str, 
 
 
 def _capped_av(point: Point, *, pool: Pool, requests: Requests, length: int, seed: int,
-               refit_interval: int, shared_passes: bool) -> dict:
+               refit_interval: int, shared_passes: bool, arm: str = "av") -> dict:
   """`av-depth-cap`: AV on an engine whose depth cap `policy.depth_cap` chose from the warm
   estimator's survival on the warm-up requests' recorded features (other requests than
   the replayed ones) and each cap's deployment tables, keeping K unless another cap is
@@ -412,7 +434,7 @@ def _capped_av(point: Point, *, pool: Pool, requests: Requests, length: int, see
   K, B, kind = int(pool.features.shape[1]), point.concurrency, KIND[point.drafter]
   policy = _policy("av", K, kind, refit_interval, shared_passes)
   caps = [deployment_cost(point.device, point.drafter, B, k, k) for k in range(1, K + 1)]
-  warm = dict(B=B, kind=kind, length=length, seed=seed, shared_passes=shared_passes)
+  warm = dict(B=B, kind=kind, length=length, seed=seed, shared_passes=shared_passes, arm=arm)
   runs: list = []
   _warm(policy, pool, caps[-1], runs=runs, **warm)
   # One curve per warm-up request: the mean predicted survival over its recorded steps.
@@ -423,7 +445,7 @@ def _capped_av(point: Point, *, pool: Pool, requests: Requests, length: int, see
   policy = _policy("av", cap, kind, refit_interval, shared_passes)
   state = _warm(policy, sub, caps[cap - 1], **warm)
   tot, _ = _run(sub.features, sub.accepted, sub.accept_probs, requests, caps[cap - 1], 0,
-                state, arm="av", num_slots=B, kind=kind, policy=policy,
+                state, arm=arm, num_slots=B, kind=kind, policy=policy,
                 shared_passes=shared_passes)
   return dict(_totals(tot), depth_cap=cap)
 

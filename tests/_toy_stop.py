@@ -28,6 +28,9 @@ Arms (`arm=`):
   which reads the context only, where nothing was drafted), so it reads this step's
   draws only at the next step.
 * "confstop": vLLM's DraftConfidenceStop, fixed verification of what was drafted.
+* "staged": AV's priced plan drafted pass by pass (`Policy.keep_drafting`): the planned
+  requests draft depth 1, then each drafts on while the choice made again with the
+  depths drafted so far says so, and every drafted position is verified.
 * "choose_now" (negative control): draft all K, then verify what `policy.choose` picks
   from THIS step's survivals (the post-draft choice, exact for parallel drafters and
   greedy drafting only): whether x_i is verified depends on x_i itself, hence biased.
@@ -126,11 +129,39 @@ def joint_outcomes(toy: Toy, contexts):
   return drafts, probs, qs
 
 
-ARMS = ("policy", "confstop", "choose_now")
+ARMS = ("policy", "confstop", "choose_now", "staged")
+
+def _staged_policy(K: int) -> P.Policy:
+  return P.make_policy(K, drafter_kind="autoregressive", estimator=P.identity_estimator(K),
+                       shared_passes=True)
+
+
+def staged_depth(probs, plan, cost, predicted):
+  """`[B]` depths drafted (and verified) under `Policy.keep_drafting`: the planned rows
+  draft depth 1, then each drafts on while the choice made again after the pass says so.
+  `probs [B, K]` are this step's acceptance probabilities by depth (the identity
+  estimator's features); an undrafted depth is predicted `predicted` (the policy's
+  memory, fixed before the step: it reads no draw)."""
+  B, K = probs.shape
+  policy = _staged_policy(K)
+  state = policy.init(B)
+  state = state._replace(memory=state.memory._replace(
+      latest=jnp.full((B, K), predicted, jnp.float32), known=jnp.ones((B, K), bool)))
+  zb, zf = jnp.zeros((B,), bool), jnp.zeros((), jnp.float32)
+  planned = P.Plan(draft=plan > 0, depth=plan, num=plan, explore=zb, explore_ms=zf,
+                   expected=zf, cost_ms=zf)
+  active = jnp.ones((B,), bool)
+  going, drafted = plan > 0, jnp.zeros((B, K), bool)
+  for j in range(K):
+    drafted = drafted.at[:, j].set(going)
+    if j + 1 < K:
+      going = policy.keep_drafting(state, planned, probs, drafted, j + 1, active=active,
+                                   cost=cost)
+  return jnp.sum(drafted, axis=1, dtype=jnp.int32)
 
 
 @jax.jit
-def decide(surv, top1, plan, arm, conf, cost):
+def decide(surv, top1, plan, arm, conf, cost, predicted):
   """Drafted depth [N, B], verified count [N, B] and the next plan [N, B] per outcome.
 
   surv: [N, B, K] survivals of all K depths; top1: [N, B, K] q_max; plan: [B] int32, the
@@ -154,6 +185,11 @@ def decide(surv, top1, plan, arm, conf, cost):
                    sunk_ms=cost.draft(jnp.full((K,), B, jnp.int32)), price_drafting=False)
     depth = jnp.where(arm == 2, K, depth)
     verified = jnp.where(arm == 2, now.num, verified)
+    # staged: the choice made again after every pass; what was drafted is verified.
+    probs = s / jnp.concatenate([jnp.ones_like(s[:, :1]), s[:, :-1]], axis=1)
+    staged = staged_depth(probs, plan, cost, predicted)
+    depth = jnp.where(arm == 3, staged, depth)
+    verified = jnp.where(arm == 3, staged, verified)
     # The next plan, from the survivals this step drafted.
     drafted = jnp.arange(K)[None] < depth[:, None]
     deepest = jnp.take_along_axis(s, jnp.clip(depth - 1, 0, K - 1)[:, None], axis=1)
@@ -185,7 +221,8 @@ def verification_outcomes(toy: Toy, b: int, context: tuple, drafts, qs, m):
   return out
 
 
-def step(toy: Toy, contexts, state: StepState, *, arm, conf=0.5, draft_share=0.4):
+def step(toy: Toy, contexts, state: StepState, *, arm, conf=0.5, draft_share=0.4,
+         predicted=0.5):
   """Enumerated outcomes of one step: per outcome the depth [B], verified [B] and next
   plan [B], and the draft arrays."""
   drafts, probs, qs = joint_outcomes(toy, contexts)
@@ -193,7 +230,7 @@ def step(toy: Toy, contexts, state: StepState, *, arm, conf=0.5, draft_share=0.4
   depth, verified, next_plan = map(np.asarray, decide(
       jnp.asarray(surv, jnp.float32), jnp.asarray(qs.max(-1), jnp.float32),
       jnp.asarray(state.plan, jnp.int32), jnp.int32(ARMS.index(arm)), jnp.float32(conf),
-      step_cost(toy, draft_share)))
+      step_cost(toy, draft_share), jnp.float32(predicted)))
   return drafts, probs, qs, depth, verified, next_plan
 
 

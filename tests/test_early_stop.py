@@ -138,6 +138,28 @@ def test_negative_control_choosing_after_sampled_drafting_is_biased():
     assert _tv(law, T.target_law(toy, 0, L)) > BIASED, L
 
 
+def test_staged_drafting_reads_this_steps_draws_and_is_exact():
+  """Drafting on after a pass by the choice made again with the drafted depths (the
+  engine's sampled autoregressive drafting) is a stopping rule: how deep a request
+  drafts depends on this step's draws (so the check is not of a fixed depth), and the
+  emitted law is the target's over several steps. The negative control above shows the
+  enumeration catches a rule that reads a draft before deciding to verify it."""
+  toy = _adversarial_toy(VARIED)
+  # Depth 3 predicted at 0.9, a cheap drafter: after x1 = a (q2 = 0.9) depth 3 pays,
+  # after x1 = b (q2 = 0.6) it does not.
+  options = dict(predicted=0.9, draft_share=0.1)
+  for plan in (1, 2, 3):
+    _, probs, _, depth, verified, _ = T.step(toy, [()], T.StepState(plan=(plan,)),
+                                             arm="staged", **options)
+    np.testing.assert_array_equal(depth, verified)
+    assert set(np.unique(depth[probs > 0])) == {2, 3}, plan
+  for L in (2, 3):
+    target = T.target_law(toy, 0, L)
+    for plan in (0, 1, 2, 3):
+      law = T.emitted_law(toy, L, T.StepState(plan=(plan,)), arm="staged", **options)
+      assert _tv(law, target) < EXACT, (L, plan)
+
+
 def test_confstop_is_exact():
   toy = _adversarial_toy()
   for L in (2, 3):
@@ -151,7 +173,7 @@ def test_two_requests_planned_together():
   L = toy.K + 1      # every position one step can emit
   targets = [T.target_law(toy, b, L) for b in range(2)]
   for plan in ((3, 3), (1, 2), (0, 3), (2, 0)):
-    for arm, options in (("policy", {}), ("confstop", dict(conf=0.8))):
+    for arm, options in (("policy", {}), ("confstop", dict(conf=0.8)), ("staged", {})):
       laws, joint, _ = T.step_laws(toy, T.StepState(plan=plan), L, arm=arm, joint=True,
                                    **options)
       for b in range(2):
@@ -180,7 +202,7 @@ def test_random_single_request_instances_are_exact_over_three_tokens():
     toy, rng = _random_toy(100 * seed + 11, B=1, V=3)
     target = T.target_law(toy, 0, 3)
     for state in (T.first(toy), T.StepState(plan=(int(rng.integers(0, 4)),))):
-      for arm, options in (("policy", {}), ("confstop", dict(conf=0.5))):
+      for arm, options in (("policy", {}), ("confstop", dict(conf=0.5)), ("staged", {})):
         law = T.emitted_law(toy, 3, state, arm=arm, **options)
         assert _tv(law, target) < EXACT, (seed, state, arm, options)
 
@@ -190,6 +212,7 @@ def test_random_two_request_instances_are_exact():
     toy, rng = _random_toy(100 * seed + 13, B=2, V=2)
     L = toy.K + 1
     state = T.StepState(plan=tuple(int(n) for n in rng.integers(0, 4, size=2)))
-    laws, _, _ = T.step_laws(toy, state, L, arm="policy")
-    for b in range(2):
-      assert _tv(laws[b], T.target_law(toy, b, L)) < EXACT, (seed, state, b)
+    for arm in ("policy", "staged"):
+      laws, _, _ = T.step_laws(toy, state, L, arm=arm)
+      for b in range(2):
+        assert _tv(laws[b], T.target_law(toy, b, L)) < EXACT, (seed, state, b, arm)

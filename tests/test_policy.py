@@ -109,6 +109,58 @@ def test_the_module_docstrings_worked_example():
   assert int(pick([0.3, 0.03]).num[0]) == 0
 
 
+def test_keep_drafting_docstrings_worked_example():
+  # One request, K = 3, predicted acceptance 0.4 at every depth (identity estimator: the
+  # memory's features are the probabilities), verify 0.9 + 0.1 ms a token, 0.1 ms a pass.
+  K = 3
+  policy = P.make_policy(K, drafter_kind="autoregressive", estimator=P.identity_estimator(K),
+                         shared_passes=True)
+  state = policy.init(1)
+  state = state._replace(memory=state.memory._replace(
+      latest=jnp.full((1, K), 0.4), known=jnp.ones((1, K), bool)))
+  cost = P.StepCost(jnp.asarray([[0.0] * K, [0.1] * K]), 0.9 + 0.1 * jnp.arange(5.0))
+  active = jnp.ones((1,), bool)
+  plan = policy.plan(state, active, cost)
+  assert int(plan.depth[0]) == 1
+  drafted = jnp.asarray([[True, False, False]])
+  keep = lambda p1: bool(policy.keep_drafting(
+      state, plan, jnp.asarray([[p1, 0.0, 0.0]]), drafted, 1, active=active, cost=cost)[0])
+  assert keep(0.95)
+  assert not keep(0.5)
+  # A request that did not draft depth 1 never drafts on; an inactive one neither.
+  assert not bool(policy.keep_drafting(state, plan, jnp.full((1, K), 0.95),
+                                       jnp.zeros((1, K), bool), 1, active=active,
+                                       cost=cost)[0])
+  assert not bool(policy.keep_drafting(state, plan, jnp.full((1, K), 0.95), drafted, 1,
+                                       active=jnp.zeros((1,), bool), cost=cost)[0])
+
+
+def test_keep_drafting_prices_the_requests_outside_the_rows():
+  # Two drafting rows gathered from a batch of 40 active requests: with `num_active` the
+  # other 38 emit their token and are verified too (the table is steeper there), so
+  # drafting on, which pays for the two rows alone, stops: (41.8 + 1.62) / 22.04 <
+  # 41.8 / 21.02.
+  K = 2
+  policy = P.make_policy(K, drafter_kind="autoregressive", estimator=P.identity_estimator(K),
+                         shared_passes=True)
+  state = policy.init(2)
+  state = state._replace(memory=state.memory._replace(
+      latest=jnp.full((2, K), 0.6), known=jnp.ones((2, K), bool)))
+  T = 40 * (K + 1) + 1
+  verify = np.where(np.arange(T) <= 8, 1.0 + 0.01 * np.arange(T), 0.5 * np.arange(T))
+  cost = P.StepCost(jnp.full((41, K), 0.01), jnp.asarray(verify, jnp.float32))
+  active = jnp.ones((2,), bool)
+  zb, zf = jnp.zeros((2,), bool), jnp.zeros((), jnp.float32)
+  plan = P.Plan(draft=~zb, depth=jnp.ones((2,), jnp.int32), num=jnp.ones((2,), jnp.int32),
+                explore=zb, explore_ms=zf, expected=zf, cost_ms=zf)
+  drafted = jnp.asarray([[True, False], [True, False]])
+  probs = jnp.full((2, K), 0.9)
+  alone = policy.keep_drafting(state, plan, probs, drafted, 1, active=active, cost=cost)
+  among = policy.keep_drafting(state, plan, probs, drafted, 1, active=active, cost=cost,
+                               num_active=40)
+  assert bool(jnp.all(alone)) and not bool(jnp.any(among))
+
+
 def test_depth_caps_keep_one_deep_request_from_buying_passes():
   # One confident request (survival 0.95 ... 0.8) and three doubtful ones (0.5, 0.25,
   # ...); passes cost 1.0 ms whatever the rows, verification 4.0 ms flat. Everyone to

@@ -10,11 +10,14 @@ One step, in the engine's order:
     decision = decider.learn(decision, features, accepted, labeled)
 
 `prepare` reads nothing drawn this step (rule 2): the plan comes from every request's
-predicted survival curve. `keep_drafting` stops a request at its planned depth.
-`plan` verifies, for a parallel drafter or greedy drafting, the best candidate among the
-drafted positions with their own survivals (the drafting now sunk); with sampled
-autoregressive drafting, the planned positions. `learn` feeds the labels, the priced step
-time and the drafted features to the policy's parts.
+predicted survival curve. `keep_drafting`, after each pass of a sampled autoregressive
+drafter that stops between passes (`Drafter.stepwise`), makes the choice again with the
+depths drafted so far (`Policy.keep_drafting`); for other drafters it stops a request at
+its planned depth. `plan` verifies, for a parallel drafter or greedy drafting, the best
+candidate among the drafted positions with their own survivals (the drafting now sunk);
+with sampled autoregressive drafting, every drafted position (a stepwise drafter) or the
+planned ones. `learn` feeds the labels, the priced step time and the drafted features to
+the policy's parts.
 
 The engine carries the state as `DecisionState(estimator=..., planner=PolicyCarry)`.
 
@@ -58,8 +61,12 @@ class PolicyPlanner(NamedTuple):
   """What the engine reads of a decider's planner (static)."""
   gated: bool           # rows may be left out of drafting (subset drafting)
   policy: str           # "current" or "lagged"
-  stop: str = "policy"  # requests stop drafting at their planned depth
+  stop: str = "policy"  # requests stop drafting where the policy says (see `staged`)
   config: Any = None
+  # Sampled autoregressive drafting, pass by pass: after each pass the choice is made
+  # again with the drafted features (`Policy.keep_drafting`) and every drafted position
+  # is verified; False: requests stop at their planned depth and verify the plan's.
+  staged: bool = False
 
 
 def step_cost(cost: CostModel, K: int, *, parallel: bool) -> P.StepCost:
@@ -152,12 +159,26 @@ class PolicyDecider:
     return self.policy.estimator.predict(decision.estimator, features)
 
   def keep_drafting(self, decision: DecisionState, probs, drafted, depth, *, active,
-                    top1=None, slots=None) -> jax.Array:
-    del probs, drafted, top1
-    planned = decision.planner.plan.depth
-    if slots is not None:
-      planned = planned[slots]
-    return jnp.asarray(active, bool) & (depth < planned)
+                    top1=None, slots=None, cost: CostModel | None = None,
+                    num_active=None) -> jax.Array:
+    """`[E]` bool, the rows that draft depth + 1: under `staged` (and a `cost`) the
+    policy's choice made again after the pass (`Policy.keep_drafting`); else the rows
+    whose planned depth is deeper. `slots [E]`: the slot of each row (None: all B in
+    order); `num_active`: the step's active requests (rows may be a subset)."""
+    del top1
+    active = jnp.asarray(active, bool)
+    plan = decision.planner.plan
+    pick = (lambda x: x) if slots is None else (lambda x: x[slots])
+    if not (self.planner.staged and cost is not None):
+      return active & (depth < pick(plan.depth))
+    state = self._state(decision)
+    memory = state.memory._replace(latest=pick(state.memory.latest),
+                                   known=pick(state.memory.known), age=pick(state.memory.age))
+    sc = step_cost(cost, self.num_positions, parallel=False)
+    return self.policy.keep_drafting(
+        state._replace(memory=memory), plan._replace(explore=pick(plan.explore)),
+        jnp.asarray(probs, jnp.float32), jnp.asarray(drafted, bool), depth, active=active,
+        cost=sc, num_active=num_active)
 
   def plan(self, decision: DecisionState, probs, cost: CostModel, *, active=None,
            sound=None, drafting=True, drafted=None, top1=None
@@ -181,6 +202,8 @@ class PolicyDecider:
       choice = P.choose(survival, eligible=drafted, forced=drafted & planned.explore[:, None],
                         active=active, cost=sc, sunk_ms=draft_ms, price_drafting=False)
       num = choice.num
+    elif self.planner.staged:  # every drafted position (`keep_drafting`)
+      num = jnp.sum(jnp.cumprod(drafted, axis=1), axis=1)
     else:
       num = jnp.minimum(planned.num, jnp.sum(jnp.cumprod(drafted, axis=1), axis=1))
     num = jnp.where(active, num, 0).astype(jnp.int32)
@@ -229,12 +252,15 @@ class PolicyDecider:
 
 
 def make_policy_decider(num_positions: int, *, drafter_kind: str, greedy: bool, gated: bool,
-                        estimator: EstimatorConfig | None = None) -> PolicyDecider:
+                        estimator: EstimatorConfig | None = None,
+                        stepwise: bool = False) -> PolicyDecider:
   """The `av` arm's decider for a drafter (`drafter_kind` "parallel" or
-  "autoregressive"; `gated`: the engine can leave rows out of drafting)."""
+  "autoregressive"; `gated`: the engine can leave rows out of drafting; `stepwise`: the
+  drafter calls a stop between its passes, so sampled drafting is `staged`)."""
   est = online_estimator(num_positions, estimator)
   # The engine's drafting passes run every drafting row of the step (static shapes).
   policy = P.make_policy(num_positions, drafter_kind=drafter_kind, greedy=greedy,
                          estimator=est, shared_passes=True)
   return PolicyDecider(policy=policy, planner=PolicyPlanner(
-      gated=gated, policy="current" if policy.current else "lagged"))
+      gated=gated, policy="current" if policy.current else "lagged",
+      staged=stepwise and drafter_kind == "autoregressive" and not policy.current))

@@ -124,9 +124,11 @@ class Decider(NamedTuple):
                     drafted: jax.typing.ArrayLike, depth: jax.typing.ArrayLike, *,
                     active: jax.typing.ArrayLike,
                     top1: jax.typing.ArrayLike | None = None,
-                    slots: jax.typing.ArrayLike | None = None) -> jax.Array:
+                    slots: jax.typing.ArrayLike | None = None, cost: CostModel | None = None,
+                    num_active: jax.typing.ArrayLike | None = None) -> jax.Array:
     """`[B] bool`: whether each request drafts depth `depth + 1` (the planner's drafting
-    stop, `PlannerConfig.draft_stop`: all K, or the confidence stop).
+    stop, `PlannerConfig.draft_stop`: all K, or the confidence stop; `cost` and
+    `num_active`, what a priced stop reads, are not read).
 
     Reads depths 1..`depth` of its inputs only, so the drafting loop can call it after
     each depth with buffers whose deeper entries are not drafted yet.
@@ -140,6 +142,7 @@ class Decider(NamedTuple):
       top1: `[B, K]` top-1 probability of each draft distribution (confidence stop).
       slots: `[E] int32`, the slot of each row when the rows are a gathered subset.
     """
+    del cost, num_active
     return self.planner.keep_drafting(state.planner, probs, drafted, depth, active=active,
                                       top1=top1, slots=slots)
 

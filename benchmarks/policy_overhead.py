@@ -1,4 +1,5 @@
-"""Per-step cost of the decision (`av_jax.policy`: plan, verify, learn), jitted.
+"""Per-step cost of the decision (`av_jax.policy`: plan, the choice made again after each
+pass of an autoregressive drafter, verify, learn), jitted.
 
     python benchmarks/policy_overhead.py --slots 64 --max-draft 8
 
@@ -29,8 +30,17 @@ def time_policy(kind: str, drafter: str, B: int, K: int, *, rounds: int = 5,
   def one(state, features):
     plan = policy.plan(state, active, cost)
     drafted = j < plan.depth[:, None]
+    if kind == "autoregressive":  # K - 1 choices made again, one after each pass
+      probs = policy.estimator.predict(state.estimator, features)
+      going, drafted = plan.draft & active, jnp.zeros((B, K), bool)
+      for d in range(K):
+        drafted = drafted.at[:, d].set(going)
+        if d + 1 < K:
+          going = policy.keep_drafting(state, plan, probs, drafted, d + 1, active=active,
+                                       cost=cost)
     draft_ms = cost.draft(jnp.sum(drafted, 0, dtype=jnp.int32))
-    num = policy.verify(state, plan, features, active, cost, draft_ms)
+    num = (jnp.sum(drafted, 1, dtype=jnp.int32) if kind == "autoregressive"
+           else policy.verify(state, plan, features, active, cost, draft_ms))
     outcome = P.StepOutcome(features, drafted, j < (num // 2)[:, None], j < num[:, None],
                             draft_ms + 1.0, plan.explore_ms)
     return policy.learn(state, outcome), num

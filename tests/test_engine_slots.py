@@ -57,7 +57,8 @@ class _SlotDecider(Decider):
   def plan(self, state, probs, cost, *, drafting=True, **kwargs):
     return super().plan(state, probs, cost, drafting=jnp.any(drafting), **kwargs)
 
-  def keep_drafting(self, state, probs, drafted, depth, *, active, top1=None, slots=None):
+  def keep_drafting(self, state, probs, drafted, depth, *, active, top1=None, slots=None,
+                    cost=None, num_active=None):
     assert slots is not None and slots.shape == active.shape
     return super().keep_drafting(state, probs, drafted, depth, active=active, top1=top1)
 

@@ -98,7 +98,7 @@ def make_engine(config: EngineConfig, models: ModelsConfig | None = None,
   if arm.name == "av":
     decider = make_policy_decider(config.max_draft, drafter_kind=drafter.drafting,
                                   greedy=config.sampling.greedy, gated=drafter.skips_rows,
-                                  estimator=config.estimator)
+                                  estimator=config.estimator, stepwise=drafter.stepwise)
   else:
     stop = {"confidence": "confidence"}.get(arm.stop, "none")
     planner = PlannerConfig(draft_stop=stop, **(

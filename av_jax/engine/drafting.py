@@ -74,12 +74,13 @@ def _stepwise(engine: Engine) -> bool:
 
 
 def _keep_fn(engine: Engine, active: jax.Array, decision: DecisionState,
-             slots: jax.Array | None = None):
+             slots: jax.Array | None = None, *, cost=None, num_active=None):
   """The drafting stop evaluated after each depth j: scores S[b, 1..j] from the features
   of depths <= j (`decider.score`), then the planner's rule (`decider.keep_drafting`).
   A slot whose depth-j distribution is not sound stops (its later depths could not be
   verified). `active [E]` are the drafting rows, `slots [E]` their slots (None: all B
-  in order). Returns `(keep_fn, aux0)` for `Drafter.draft`."""
+  in order); `cost` (the step's `CostModel`) and `num_active` (the step's active
+  requests) are what a priced stop reads. Returns `(keep_fn, aux0)` for `Drafter.draft`."""
   cfg, decider = engine.config, engine.decider
   B, K, V = active.shape[0], cfg.max_draft, engine.target.vocab_size
   uniform = -jnp.log(jnp.float32(V))
@@ -101,7 +102,7 @@ def _keep_fn(engine: Engine, active: jax.Array, decision: DecisionState,
     drafted = (jnp.arange(K)[None] < depth) & (jnp.cumprod(sound, axis=1) > 0)
     probs = decider.score(decision, features)
     keep = decider.keep_drafting(decision, probs, drafted, depth, active=active, top1=top1,
-                                 slots=slots)
+                                 slots=slots, cost=cost, num_active=num_active)
     return keep & ok, (features, sound, top1)
 
   aux0 = (jnp.zeros((B, K), jnp.float32), jnp.zeros((B, K), bool),
@@ -110,7 +111,7 @@ def _keep_fn(engine: Engine, active: jax.Array, decision: DecisionState,
 
 
 def _draft_kwargs(engine: Engine, decision: DecisionState, *, active: jax.Array,
-                  slots: jax.Array | None = None) -> dict:
+                  slots: jax.Array | None = None, cost=None, num_active=None) -> dict:
   """The keyword arguments of `Drafter.draft` for E rows (`active [E]` the ones that
   draft, `slots [E]` their slot ids, None: all B in order): K, temperature, top-p, and
   the drafting stop (`keep_fn`, `keep_init`) where the loop evaluates one."""
@@ -118,19 +119,20 @@ def _draft_kwargs(engine: Engine, decision: DecisionState, *, active: jax.Array,
   kwargs = dict(K=cfg.max_draft, temperature=cfg.sampling.temperature,
                 top_p=cfg.sampling.top_p)
   if _stepwise(engine):
-    keep_fn, aux0 = _keep_fn(engine, active, decision, slots)
+    keep_fn, aux0 = _keep_fn(engine, active, decision, slots, cost=cost,
+                             num_active=num_active)
     kwargs.update(keep_fn=keep_fn, keep_init=aux0)
   return kwargs
 
 
 def _draft(engine: Engine, params: Params, drafter_state: Any, key: jax.Array,
            decision: DecisionState, *, active: jax.Array,
-           slots: jax.Array | None = None) -> Drafts:
+           slots: jax.Array | None = None, cost=None) -> Drafts:
   """Drafts for every row of `drafter_state` (`Drafter.draft`; `active`, `slots` as in
   `_draft_kwargs`) and scores the drafts (`_scored`)."""
   return _scored(engine, engine.drafter.draft(
       params.drafter, params.target, drafter_state, key,
-      **_draft_kwargs(engine, decision, active=active, slots=slots)))
+      **_draft_kwargs(engine, decision, active=active, slots=slots, cost=cost)))
 
 
 def _scored(engine: Engine, draft) -> Drafts:
@@ -192,7 +194,8 @@ def _draft_phase(engine: Engine, params: Params, state: DecodeState, key: jax.Ar
   (`_keep_fn`)."""
   if not engine.arm.drafts:
     return _no_draft(engine, state.drafter)
-  return _draft(engine, params, state.drafter, key, decision, active=state.active)
+  return _draft(engine, params, state.drafter, key, decision, active=state.active,
+                cost=state.cost)
 
 
 def _scatter_drafts(engine: Engine, sub: Drafts, idx: jax.Array, keep: jax.Array, *,
@@ -248,7 +251,8 @@ def _draft_branches(engine: Engine, params: Params, state: DecodeState,
       keep = slots[idx]
       out, update = drafter.draft_rows(
           params.drafter, params.target, state.drafter, key, rows=rows, keep=work[idx],
-          **_draft_kwargs(engine, decision, active=keep, slots=idx))
+          **_draft_kwargs(engine, decision, active=keep, slots=idx, cost=state.cost,
+                          num_active=jnp.sum(state.active, dtype=jnp.int32)))
       return _scatter_drafts(engine, _scored(engine, out), idx, keep,
                              whole=rows is None), update
     return run

@@ -16,7 +16,9 @@ arm replays the same requests:
 
 * `target_only`, `fixed:k`: every active request drafts and verifies k positions, priced
   by its own deployment's tables (a K = k engine);
-* `av`: `av_jax.policy` with the online estimator, on the K-position tables;
+* `av`: `av_jax.policy` with the online estimator, on the K-position tables (an
+  autoregressive drafter drafts pass by pass under `Policy.keep_drafting` and verifies
+  what it drafted, as the engine does);
 * `av-true`: the same decision fed the recorded true acceptance probabilities (what the
   decision's rules cost, apart from the estimator's errors);
 * `oracle`: per step, knowing every request's accepted length, the drafting rows and
@@ -24,7 +26,9 @@ arm replays the same requests:
 * `av-depth-cap`: `av` on the engine whose depth cap `policy.depth_cap` chose from the
   warm estimator (its warm-up requests, not the replayed ones), priced by that engine's
   tables;
-* ablations of `av` (`av-prior`: no per-request memory; `av-noexplore`: no exploration).
+* ablations of `av` (`av-prior`: no per-request memory; `av-noexplore`: no exploration;
+  `av-planned`, `av-planned-depth-cap`: an autoregressive drafter stops at its planned
+  depth and verifies the plan's count, the choice not made again after each pass).
 
 Example: `python -m av_lab.replay --drafters block --workloads mixed --concurrency 64
 --devices h200` prints every arm's modelled tokens/s and AV's ratio to the best static arm;
@@ -53,7 +57,7 @@ KIND = {"block": "parallel", "block_head": "parallel", "eagle": "autoregressive"
         "draft_lm": "autoregressive"}
 SHAPES = {"block": "llama3-8b-dflash", "block_head": "llama3-8b-dflash",
           "eagle": "llama3-8b-eagle3", "draft_lm": "llama3-8b-mtp"}
-ADAPTIVE = ("av", "av-true", "av-prior", "av-noexplore", "av-seer", "av-nodecay", "av-staged")
+ADAPTIVE = ("av", "av-true", "av-prior", "av-noexplore", "av-seer", "av-nodecay", "av-planned")
 
 
 class Pool(NamedTuple):
@@ -185,7 +189,7 @@ def _run(pool_f, pool_a, pool_p, requests: Requests, cost: P.StepCost, k_static,
       plan = policy.plan(state, active, cost)
       if parallel and not block_choice:  # the engine's block drafter drafts its block
         plan = plan._replace(depth=jnp.where(plan.draft, K, 0))
-      if arm.startswith("av-staged") and not policy.current:
+      if not (policy.current or arm == "av-planned"):
         staged_m, staged_depth = _staged(policy, state, plan, x, active, cost)
         plan = plan._replace(depth=staged_depth, num=staged_m)
       depth, explore_ms = plan.depth, plan.explore_ms
@@ -349,7 +353,7 @@ def replay_point(point: Point, *, arms: Sequence[str], pool: Pool, num_requests:
   requests = make_requests(pool, num=num_requests, length=length, seed=seed)
   out = {}
   for arm in arms:
-    if arm in ("av-depth-cap", "av-staged-depth-cap"):
+    if arm in ("av-depth-cap", "av-planned-depth-cap"):
       out[arm] = _capped_av(point, pool=pool, requests=requests, length=length, seed=seed,
                             refit_interval=refit_interval, shared_passes=shared_passes,
                             arm=arm.removesuffix("-depth-cap"))

@@ -98,7 +98,8 @@ class PolicyDecider:
 
   @property
   def stop(self) -> str:
-    """Requests stop drafting at their planned depth."""
+    """The drafting stop the engine's loop calls between passes ("policy":
+    `keep_drafting`)."""
     return self.planner.stop
 
   @property

@@ -109,15 +109,21 @@ def test_the_module_docstrings_worked_example():
   assert int(pick([0.3, 0.03]).num[0]) == 0
 
 
-def test_keep_drafting_docstrings_worked_example():
-  # One request, K = 3, predicted acceptance 0.4 at every depth (identity estimator: the
-  # memory's features are the probabilities), verify 0.9 + 0.1 ms a token, 0.1 ms a pass.
-  K = 3
+def _predicting(B, K, p):
+  """A shared-pass autoregressive policy whose every request is predicted acceptance `p`
+  at every depth (identity estimator: the memory's features are the probabilities)."""
   policy = P.make_policy(K, drafter_kind="autoregressive", estimator=P.identity_estimator(K),
                          shared_passes=True)
-  state = policy.init(1)
-  state = state._replace(memory=state.memory._replace(
-      latest=jnp.full((1, K), 0.4), known=jnp.ones((1, K), bool)))
+  state = policy.init(B)
+  return policy, state._replace(memory=state.memory._replace(
+      latest=jnp.full((B, K), p, jnp.float32), known=jnp.ones((B, K), bool)))
+
+
+def test_keep_drafting_docstrings_worked_example():
+  # One request, K = 3, predicted acceptance 0.4 at every depth, verify 0.9 + 0.1 ms a
+  # token, 0.1 ms a pass.
+  K = 3
+  policy, state = _predicting(1, K, 0.4)
   cost = P.StepCost(jnp.asarray([[0.0] * K, [0.1] * K]), 0.9 + 0.1 * jnp.arange(5.0))
   active = jnp.ones((1,), bool)
   plan = policy.plan(state, active, cost)
@@ -141,11 +147,7 @@ def test_keep_drafting_prices_the_requests_outside_the_rows():
   # drafting on, which pays for the two rows alone, stops: (41.8 + 1.62) / 22.04 <
   # 41.8 / 21.02.
   K = 2
-  policy = P.make_policy(K, drafter_kind="autoregressive", estimator=P.identity_estimator(K),
-                         shared_passes=True)
-  state = policy.init(2)
-  state = state._replace(memory=state.memory._replace(
-      latest=jnp.full((2, K), 0.6), known=jnp.ones((2, K), bool)))
+  policy, state = _predicting(2, K, 0.6)
   T = 40 * (K + 1) + 1
   verify = np.where(np.arange(T) <= 8, 1.0 + 0.01 * np.arange(T), 0.5 * np.arange(T))
   cost = P.StepCost(jnp.full((41, K), 0.01), jnp.asarray(verify, jnp.float32))

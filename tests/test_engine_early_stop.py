@@ -196,3 +196,31 @@ def test_idle_slots_draft_nothing_and_change_nothing(mode):
   empty = E.init_state(engine, params, fx.key(4))
   _, info0 = run(engine, params, empty, 4)
   assert (np.asarray(info0.draft_passes) == 0).all()
+
+
+def test_the_drafting_stop_sees_each_rows_own_drafted_depths():
+  """A row that stopped rides along in later passes, but the stop is told it drafted only
+  up to where it stopped: after depth 2, row 0 (stopped at 1) has one drafted position,
+  row 1 two."""
+  from types import SimpleNamespace
+  from av_jax.engine import drafting
+  seen = []
+
+  class Recorder:
+    def score(self, decision, features):
+      return jnp.full(features.shape, 0.5)
+
+    def keep_drafting(self, decision, probs, drafted, depth, **kwargs):
+      seen.append(np.asarray(drafted))
+      return jnp.asarray([False, True])  # row 0 stops after every depth, row 1 never
+
+  B, K, V = 2, 3, 5
+  engine = SimpleNamespace(config=E.EngineConfig(num_slots=B, max_draft=K, max_len=16),
+                           decider=Recorder(), target=SimpleNamespace(vocab_size=V))
+  keep_fn, aux = drafting._keep_fn(engine, jnp.ones((B,), bool), None)
+  logits = jnp.zeros((B, V))
+  for depth in (1, 2):
+    keep, aux = keep_fn(jnp.int32(depth), logits, None, aux)
+  np.testing.assert_array_equal(seen[0], [[True, False, False], [True, False, False]])
+  np.testing.assert_array_equal(seen[1], [[True, False, False], [True, True, False]])
+  np.testing.assert_array_equal(keep, [False, True])

@@ -86,7 +86,9 @@ def _keep_fn(engine: Engine, active: jax.Array, decision: DecisionState,
   uniform = -jnp.log(jnp.float32(V))
 
   def keep_fn(depth, logits, log_probs, aux):
-    features, sound, top1 = aux
+    # `rows_depth [B]`: depths each row drafted (a row that stopped rides along in later
+    # passes, but its outputs there are not drafts); `going [B]`: rows drafting `depth`.
+    features, sound, top1, rows_depth, going = aux
     ok = _sound(logits, log_probs)                                          # [B]
     if log_probs is None:
       log_probs = sampling_log_probs(jnp.where(ok[:, None], logits, 0.0),
@@ -99,14 +101,16 @@ def _keep_fn(engine: Engine, active: jax.Array, decision: DecisionState,
     features = put(features, logit_qmax(log_probs[:, None, :])[:, 0])
     sound = put(sound, ok)
     top1 = put(top1, jnp.exp(jnp.max(log_probs, axis=-1)))
-    drafted = (jnp.arange(K)[None] < depth) & (jnp.cumprod(sound, axis=1) > 0)
+    rows_depth = rows_depth + going.astype(jnp.int32)
+    drafted = ((jnp.arange(K)[None] < rows_depth[:, None])
+               & (jnp.cumprod(sound, axis=1) > 0))
     probs = decider.score(decision, features)
     keep = decider.keep_drafting(decision, probs, drafted, depth, active=active, top1=top1,
-                                 slots=slots, cost=cost, num_active=num_active)
-    return keep & ok, (features, sound, top1)
+                                 slots=slots, cost=cost, num_active=num_active) & ok
+    return keep, (features, sound, top1, rows_depth, going & keep)
 
   aux0 = (jnp.zeros((B, K), jnp.float32), jnp.zeros((B, K), bool),
-          jnp.zeros((B, K), jnp.float32))
+          jnp.zeros((B, K), jnp.float32), jnp.zeros((B,), jnp.int32), jnp.ones((B,), bool))
   return keep_fn, aux0
 
 

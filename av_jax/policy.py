@@ -163,11 +163,7 @@ def choose(survival: jax.Array, *, eligible: jax.Array, forced: jax.Array,
   num_active = jnp.sum(active, dtype=jnp.int32) + jnp.asarray(others, jnp.int32)
   total = jnp.asarray(sunk_ms, jnp.float32) + cost.verify(num_active + n)
   if price_drafting:
-    rows = prefix(jax.nn.one_hot(ranked_k, K, dtype=jnp.int32)[None] * in_cap[..., None])
-    if shared_passes:  # every drafting request pays each pass up to the deepest depth
-      depth = jnp.sum(rows > 0, axis=-1, keepdims=True)
-      rows = jnp.where(jnp.arange(K) < depth, rows[..., :1], 0)
-    total = total + cost.draft(rows)
+    total = total + _drafting_ms(cost, ranked_k, ranked_ok, caps, shared_passes)
   expected = num_active + gain
   # A candidate ends on an entry within its cap (or is empty), keeps every forced entry.
   ends_in_cap = jnp.concatenate([jnp.ones_like(in_cap[:, :1]), in_cap], axis=1)
@@ -180,6 +176,27 @@ def choose(survival: jax.Array, *, eligible: jax.Array, forced: jax.Array,
   num = jnp.sum(chosen.reshape(K, B).T, axis=1, dtype=jnp.int32)
   return Choice(num=jnp.where(active, num, 0), budget=n[c, i].astype(jnp.int32),
                 expected=expected[c, i], cost_ms=total[c, i])
+
+
+def _drafting_ms(cost: StepCost, ranked_k, ranked_ok, caps, shared_passes: bool):
+  """`[C, M + 1]`: drafting price of the first n ranked entries within each cap.
+
+  The requests drafting depth k among the first n entries do not depend on the cap
+  (a cap only drops depths >= it), so one `[M + 1, K]` count serves every cap: the
+  price of cap c is the running sum over depths < c of each depth's price.
+  """
+  K = cost.draft_depth_ms.shape[1]
+  R_max = cost.draft_depth_ms.shape[0] - 1
+  hits = jax.nn.one_hot(ranked_k, K, dtype=jnp.int32) * ranked_ok[:, None]  # [M, K]
+  rows = jnp.concatenate([jnp.zeros_like(hits[:1]), jnp.cumsum(hits, axis=0)], 0)
+  price = lambda r: jnp.where(r > 0, cost.draft_depth_ms[jnp.minimum(r, R_max),
+                                                         jnp.arange(K)], 0.0)
+  running = lambda x: jnp.concatenate([jnp.zeros_like(x[:, :1]), jnp.cumsum(x, 1)], 1)
+  if shared_passes:  # every drafting request pays each pass up to the deepest depth
+    depth = running((rows > 0).astype(jnp.int32))[:, caps]               # [M + 1, C]
+    by_depth = running(price(jnp.broadcast_to(rows[:, :1], rows.shape)))  # [M + 1, K + 1]
+    return jnp.take_along_axis(by_depth, depth, axis=1).T
+  return running(price(rows))[:, caps].T
 
 
 class DepthCap(NamedTuple):

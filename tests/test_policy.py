@@ -178,6 +178,32 @@ def test_depth_caps_keep_one_deep_request_from_buying_passes():
   np.testing.assert_allclose(float(got.expected) / float(got.cost_ms), best, rtol=1e-6)
 
 
+@pytest.mark.parametrize("shared", [False, True])
+def test_every_candidates_drafting_price_is_its_rows_price(shared):
+  # `choose` prices all (cap, n) candidates from one count of rows by depth; each must
+  # equal `StepCost.draft` of that candidate's own rows (a shared pass: every drafting
+  # row pays each depth up to the deepest), for any ranking, ineligible entries included.
+  rng = np.random.default_rng(7)
+  B, K = 5, 4
+  M = B * K
+  depth_ms = rng.uniform(0.1, 1.0, (B + 1, K)).astype(np.float32)
+  depth_ms[0] = 9.0  # a depth no row drafts costs nothing, whatever row 0 holds
+  cost = P.StepCost(jnp.asarray(depth_ms), jnp.zeros((M + B + 1,)))
+  ranked_k = rng.permutation(np.repeat(np.arange(K), B))
+  ranked_ok = rng.uniform(size=M) < 0.8
+  caps = jnp.arange(1, K + 1)
+  got = np.asarray(P._drafting_ms(cost, jnp.asarray(ranked_k, jnp.int32),
+                                  jnp.asarray(ranked_ok), caps, shared))
+  for c in range(1, K + 1):
+    for n in range(M + 1):
+      take = (ranked_k[:n] < c) & ranked_ok[:n]
+      rows = np.bincount(ranked_k[:n][take], minlength=K)
+      if shared:
+        rows = np.where(np.arange(K) < np.count_nonzero(rows), rows[0], 0)
+      want = sum(float(depth_ms[r, k]) for k, r in enumerate(rows) if r > 0)
+      np.testing.assert_allclose(got[c - 1, n], want, rtol=1e-5, atol=1e-6)
+
+
 def test_nothing_pays_drafts_nothing_and_forced_positions_are_kept():
   B, K = 3, 4
   cost = _cost(B, K, pass_ms=1.0)

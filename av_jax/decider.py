@@ -248,6 +248,8 @@ class PolicyDecider:
     latest = jnp.where(high[:, None], 60.0, -60.0) * jnp.ones((B, K), jnp.float32)
     memory = carry.memory._replace(latest=latest, known=jnp.ones((B, K), bool),
                                    age=jnp.zeros((B, K), jnp.float32))
+    if memory.lag is not None:  # the starting coefficients read +-60 as certain
+      memory = memory._replace(lag=self.policy.parts[1].init(B, K).lag)
     explore = carry.explore._replace(credit_ms=jnp.full_like(carry.explore.credit_ms, -1e9))
     return carry._replace(memory=memory, explore=explore)
 

@@ -19,9 +19,11 @@ The choice is made before drafting and again as drafts arrive, each time with wh
 known then; every use is exact (docs/algorithm.md sections 5 and 10):
 
 1. `plan`, before drafting, from information fixed before this step's draws: every
-   active request's predicted survival curve (the estimator on its latest drafted
-   features; the running mean feature of each depth where it has none) gives the rows
-   that draft and each row's depth.
+   active request's predicted survival curve gives the rows that draft and each row's
+   depth. The curve is a second estimator's (`lagged_features`) on the request's latest
+   drafted features (the running mean feature of each depth where it has none), fitted
+   on those reads against the outcomes of the step they planned: what the last step's
+   features say about the next step.
 2. `keep_drafting`, after each pass of a sampled autoregressive drafter: the drafted
    positions are sunk and will be verified, their survival from their own features;
    a request drafts on while the best candidate holds a later position (it may stop
@@ -36,8 +38,8 @@ Exploration (`explore_credit`) keeps labels arriving at every depth: one request
 robin, drafts and verifies all K positions whenever the exploration credit, a stated
 share of the step time so far, covers the priced cost of doing so.
 
-The policy is a composition of parts, each an `(init, update)` pair over its own state
-(`Part`): the estimator (coefficients), the memory (each request's latest features) and
+The policy is a composition of parts (`av_jax.parts`), each an `(init, update)` pair over
+its own state: the estimator (coefficients), the memory (each request's latest features) and
 the explorer. An ablation is another composition (`make_policy(..., memory=...,
 explorer=...)`).
 
@@ -62,6 +64,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from av_jax.estimator import EstimatorConfig, online_estimator
+from av_jax.parts import (ExploreState, MemoryState, Part, StepOutcome, estimator_part,
+                          explore_credit, lagged_features, latest_features, no_exploration,
+                          position_prior)
 
 DRAFTER_KINDS = ("autoregressive", "parallel")
 
@@ -276,117 +281,6 @@ def depth_cap(survival, costs: Sequence[StepCost], *, num_slots: int, weights=No
   return DepthCap(cap=cap, rates=rates, target_rate=target)
 
 
-# ----------------------------------------------------------------------------- parts
-
-
-class Part(NamedTuple):
-  """One part of the policy: pure functions over its own state."""
-  init: Callable[..., Any]    # (num_slots, K) -> state
-  update: Callable[..., Any]  # (state, step: StepOutcome) -> state
-  read: Callable[..., Any] | None = None  # (state) -> what the prediction takes from it
-
-
-class StepOutcome(NamedTuple):
-  """What a step did, as every part's `update` reads it."""
-  features: jax.Array  # [B, K] float32, the drafted features (junk where not drafted)
-  drafted: jax.Array   # [B, K] bool, positions drafted this step
-  accepted: jax.Array  # [B, K] bool, verification outcome
-  labeled: jax.Array   # [B, K] bool, positions with a label
-  step_ms: jax.Array   # [] float32, priced time of the step
-  explore_ms: jax.Array  # [] float32, priced time of this step's exploration (0: none)
-
-
-class MemoryState(NamedTuple):
-  latest: jax.Array  # [B, K] float32, each request's latest drafted feature per depth
-  known: jax.Array   # [B, K] bool, `latest` holds one of the current request's features
-  age: jax.Array     # [B, K] float32, steps since `latest` was drafted
-  mean: jax.Array    # [K] float32, running mean feature per depth (all requests)
-  seen: jax.Array    # [K] float32, features averaged into `mean` (capped)
-
-
-def latest_features(*, horizon: float = 256.0, decay: float = 0.8) -> Part:
-  """Each request's features at its last drafted step, shrunk toward the depth's
-  running mean (over the last ~`horizon` drafted features) by `decay` per step of age;
-  where a request has none at a depth, that mean. Example: latest 2.0, mean 0.0, drafted
-  3 steps ago, decay 0.8: predicted from 0.8**3 * 2.0 = 1.02."""
-
-  def init(num_slots: int, K: int) -> MemoryState:
-    return MemoryState(latest=jnp.zeros((num_slots, K), jnp.float32),
-                       known=jnp.zeros((num_slots, K), bool),
-                       age=jnp.zeros((num_slots, K), jnp.float32),
-                       mean=jnp.zeros((K,), jnp.float32), seen=jnp.zeros((K,), jnp.float32))
-
-  def update(state: MemoryState, step: StepOutcome) -> MemoryState:
-    d = step.drafted
-    count = jnp.sum(d, axis=0).astype(jnp.float32)
-    total = jnp.sum(jnp.where(d, step.features, 0.0), axis=0)
-    seen = jnp.minimum(state.seen + count, horizon)
-    mean = jnp.where(count > 0, state.mean + (total - count * state.mean)
-                     / jnp.maximum(seen, 1.0), state.mean)
-    return state._replace(latest=jnp.where(d, step.features, state.latest),
-                          known=state.known | d, age=jnp.where(d, 0.0, state.age + 1.0),
-                          mean=mean, seen=seen)
-
-  def read(state: MemoryState) -> jax.Array:
-    """`[B, K]`: the features predicted for each request's next step."""
-    weight = jnp.where(state.known, jnp.float32(decay) ** state.age, 0.0)
-    return state.mean[None, :] + weight * (state.latest - state.mean[None, :])
-
-  return Part(init, update, read)
-
-
-def position_prior() -> Part:
-  """Ablation of `latest_features`: every request is predicted by the depth means."""
-  part = latest_features()
-  return part._replace(update=lambda state, step: part.update(state, step)._replace(
-      known=jnp.zeros_like(state.known)))
-
-
-class ExploreState(NamedTuple):
-  credit_ms: jax.Array  # [] float32, exploration time earned and not spent
-  next_slot: jax.Array  # [] int32, round-robin pointer
-
-
-# The exploration credit banks at most this many steps' time: a long stretch in which
-# exploring cost more than the credit earned does not buy a burst of explorations later.
-_MAX_BANKED_STEPS = 64.0
-
-
-def explore_credit(share: float = 0.01) -> Part:
-  """Exploration bounded to `share` of step time: each step earns `share` of its
-  priced time; a step explores (one request drafts and verifies all K, round robin)
-  when the credit covers the priced cost of doing so, which is then spent. Example: at
-  share 0.01, 10 ms steps and an exploration priced 5 ms, one step in 50 explores."""
-  if not 0.0 <= share < 1.0:
-    raise ValueError(f"share: expected a number in [0, 1), got {share!r}")
-
-  def init(num_slots: int, K: int) -> ExploreState:
-    del num_slots, K
-    return ExploreState(credit_ms=jnp.zeros((), jnp.float32),
-                        next_slot=jnp.zeros((), jnp.int32))
-
-  def update(state: ExploreState, step: StepOutcome) -> ExploreState:
-    credit = state.credit_ms + share * step.step_ms - step.explore_ms
-    B = step.drafted.shape[0]
-    return ExploreState(credit_ms=jnp.minimum(credit, _MAX_BANKED_STEPS * step.step_ms),
-                        next_slot=jnp.where(step.explore_ms > 0, (state.next_slot + 1) % B,
-                                            state.next_slot))
-
-  return Part(init, update)
-
-
-def no_exploration() -> Part:
-  """Ablation of `explore_credit`: never explores."""
-  return explore_credit(0.0)
-
-
-def estimator_part(estimator) -> Part:
-  """The online estimator (`av_jax.estimator.online_estimator`) as a part."""
-  return Part(lambda num_slots, K: estimator.init(),
-              lambda state, step: estimator.update(state, step.features, step.accepted,
-                                                   step.labeled))
-
-
 # ---------------------------------------------------------------------------- policy
 
 
@@ -432,7 +326,14 @@ class Policy:
 
   def predicted_survival(self, state: PolicyState) -> jax.Array:
     """`[B, K]`: every request's predicted survival curve for its next step."""
-    return self.survival(state, self.parts[1].read(state.memory))
+    return survival_of(self._predicted(state))
+
+  def _predicted(self, state: PolicyState) -> jax.Array:
+    """`[B, K]`: every request's predicted acceptance per depth for its next step."""
+    memory = self.parts[1]
+    if memory.predict is not None:
+      return memory.predict(state.memory)
+    return self.estimator.predict(state.estimator, memory.read(state.memory))
 
   def plan(self, state: PolicyState, active: jax.Array, cost: StepCost) -> Plan:
     """Before drafting: the rows that draft and their depths (reads no draw of this
@@ -474,7 +375,7 @@ class Policy:
     B, K = drafted.shape
     col = jnp.arange(K)[None, :]
     going = jnp.asarray(active, bool) & drafted[:, jnp.maximum(depth - 1, 0)]
-    predicted = self.estimator.predict(state.estimator, self.parts[1].read(state.memory))
+    predicted = self._predicted(state)
     survival = survival_of(jnp.where(drafted, probs, predicted))
     eligible = going[:, None] | drafted
     forced = (drafted | plan.explore[:, None]) & eligible
@@ -504,12 +405,14 @@ class Policy:
   def learn(self, state: PolicyState, step: StepOutcome, *,
             axis_name: str | None = None) -> PolicyState:
     """Every part's update with what the step did; `axis_name`: the mesh axis over which
-    data-parallel replicas sum the estimator's round statistics (so their coefficients
+    data-parallel replicas sum the estimators' round statistics (so their coefficients
     agree)."""
     parts = list(self.parts)
     if axis_name is not None:
       parts[0] = parts[0]._replace(update=lambda s, o: self.estimator.update(
           s, o.features, o.accepted, o.labeled, axis_name=axis_name))
+      memory = parts[1].update
+      parts[1] = parts[1]._replace(update=lambda s, o: memory(s, o, axis_name=axis_name))
     return PolicyState(*(p.update(s, step) for p, s in zip(parts, state)))
 
   def _explore_ms(self, active, cost: StepCost) -> jax.Array:
@@ -550,7 +453,8 @@ def make_policy(num_positions: int, *, drafter_kind: str, greedy: bool = False,
     drafter_kind: "parallel" (one pass drafts all K) or "autoregressive" (a pass per depth).
     greedy: drafts are the drafter's arg-max (its distributions do not depend on draws).
     estimator: an `OnlineEstimator`-like object (default: `online_estimator(K)`).
-    memory: the memory part (default `latest_features()`).
+    memory: the memory part (default `lagged_features` with an estimator of the default
+      estimator's settings: the plan's prediction fitted on the plan's own inputs).
     explorer: the exploration part (default `explore_credit(0.01)`).
     shared_passes: an autoregressive drafter's passes run every drafting row until the
       deepest stops (an engine of static shapes, like av_jax's); False: each row pays its
@@ -573,7 +477,9 @@ def make_policy(num_positions: int, *, drafter_kind: str, greedy: bool = False,
   if K < 1:
     raise ValueError(f"num_positions: expected an int K >= 1, got {num_positions!r}")
   estimator = estimator or online_estimator(K, estimator_config)
-  parts = (estimator_part(estimator), memory or latest_features(),
+  memory = memory or lagged_features(online_estimator(
+      K, estimator_config or getattr(estimator, "config", None)))
+  parts = (estimator_part(estimator), memory,
            explorer or explore_credit())
   return Policy(num_positions=K, drafter_kind=drafter_kind,
                 current=(drafter_kind == "parallel" or greedy), estimator=estimator,

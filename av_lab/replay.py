@@ -19,6 +19,9 @@ arm replays the same requests:
 * `av`: `av_jax.policy` with the online estimator, on the K-position tables (an
   autoregressive drafter drafts pass by pass under `Policy.keep_drafting` and verifies
   what it drafted, as the engine does);
+* `av-unlagged`, `av-unlagged-depth-cap`: the ablation of the plan's lagged estimator
+  (`policy.lagged_features`): each request's next step predicted by the estimator that
+  scores its drafts, on its latest features;
 * `av-true`: the same decision fed the recorded true acceptance probabilities (what the
   decision's rules cost, apart from the estimator's errors);
 * `oracle`: per step, knowing every request's accepted length, the drafting rows and
@@ -57,7 +60,7 @@ KIND = {"block": "parallel", "block_head": "parallel", "eagle": "autoregressive"
         "draft_lm": "autoregressive"}
 SHAPES = {"block": "llama3-8b-dflash", "block_head": "llama3-8b-dflash",
           "eagle": "llama3-8b-eagle3", "draft_lm": "llama3-8b-mtp"}
-ADAPTIVE = ("av", "av-true", "av-prior", "av-noexplore", "av-seer", "av-nodecay", "av-planned")
+ADAPTIVE = ("av", "av-unlagged", "av-true", "av-prior", "av-noexplore", "av-seer", "av-nodecay", "av-planned")
 
 
 class Pool(NamedTuple):
@@ -249,10 +252,13 @@ def _policy(arm: str, K: int, kind: str, refit_interval: int,
             shared_passes: bool = False) -> P.Policy:
   est = P.online_estimator(K, refit_interval=refit_interval)
   if shared_passes:
-    return P.make_policy(K, drafter_kind=kind, estimator=(
-        P.identity_estimator(K) if arm == "av-true" else est), shared_passes=True)
-  if arm == "av-true":
-    return P.make_policy(K, drafter_kind=kind, estimator=P.identity_estimator(K))
+    if arm == "av-true":
+      return P.make_policy(K, drafter_kind=kind, estimator=P.identity_estimator(K),
+                           memory=P.latest_features(), shared_passes=True)
+    return P.make_policy(K, drafter_kind=kind, estimator=est, shared_passes=True)
+  if arm == "av-true":  # the latest true probabilities predict the next step's
+    return P.make_policy(K, drafter_kind=kind, estimator=P.identity_estimator(K),
+                         memory=P.latest_features())
   if arm.startswith("av-est:"):  # estimator settings, e.g. av-est:damping=10;l2=0.01
     settings = dict(kv.split("=") for kv in arm.split(":", 1)[1].split(";"))
     est = P.online_estimator(K, refit_interval=refit_interval,
@@ -261,9 +267,13 @@ def _policy(arm: str, K: int, kind: str, refit_interval: int,
   if arm.startswith("av-explore:"):
     return P.make_policy(K, drafter_kind=kind, estimator=est,
                          explorer=P.explore_credit(float(arm.split(":")[1])))
+  if arm == "av-seer":  # this step's own features, read by the estimator that scores them
+    return P.make_policy(K, drafter_kind=kind, estimator=est, memory=P.latest_features())
   if arm == "av-nodecay":
-    return P.make_policy(K, drafter_kind=kind, estimator=est,
-                         memory=P.latest_features(decay=1.0))
+    return P.make_policy(K, drafter_kind=kind, estimator=est, memory=P.lagged_features(
+        P.online_estimator(K, refit_interval=refit_interval), decay=1.0))
+  if arm == "av-unlagged":
+    return P.make_policy(K, drafter_kind=kind, estimator=est, memory=P.latest_features())
   if arm == "av-prior":
     return P.make_policy(K, drafter_kind=kind, estimator=est, memory=P.position_prior())
   if arm == "av-noexplore":
@@ -353,7 +363,7 @@ def replay_point(point: Point, *, arms: Sequence[str], pool: Pool, num_requests:
   requests = make_requests(pool, num=num_requests, length=length, seed=seed)
   out = {}
   for arm in arms:
-    if arm in ("av-depth-cap", "av-planned-depth-cap"):
+    if arm in ("av-depth-cap", "av-planned-depth-cap", "av-unlagged-depth-cap"):
       out[arm] = _capped_av(point, pool=pool, requests=requests, length=length, seed=seed,
                             refit_interval=refit_interval, shared_passes=shared_passes,
                             arm=arm.removesuffix("-depth-cap"))
@@ -417,7 +427,9 @@ def _warm(policy: P.Policy, pool: Pool, cost: P.StepCost, *, B: int, kind: str, 
     _, state = _run(pool.features, pool.accepted, pool.accept_probs, warmup, cost, 0,
                     state, arm=arm, num_slots=B, kind=kind, policy=policy,
                     block_choice=block_choice, shared_passes=shared_passes)
-    state = policy.init(B)._replace(estimator=state.estimator)
+    fresh = policy.init(B)
+    state = fresh._replace(estimator=state.estimator,
+                           memory=fresh.memory._replace(lag=state.memory.lag))
     if runs is not None:
       runs.append((warmup, state))
     refits = getattr(state.estimator, "num_refits", None)
@@ -436,7 +448,7 @@ def _capped_av(point: Point, *, pool: Pool, requests: Requests, length: int, see
   with the coefficients that run ended with, as the engine's warm-up samples its curves
   with the coefficients in force (`compare._CurveSampler`): one refit does not decide."""
   K, B, kind = int(pool.features.shape[1]), point.concurrency, KIND[point.drafter]
-  policy = _policy("av", K, kind, refit_interval, shared_passes)
+  policy = _policy(arm, K, kind, refit_interval, shared_passes)
   caps = [deployment_cost(point.device, point.drafter, B, k, k) for k in range(1, K + 1)]
   warm = dict(B=B, kind=kind, length=length, seed=seed, shared_passes=shared_passes, arm=arm)
   runs: list = []
@@ -446,7 +458,7 @@ def _capped_av(point: Point, *, pool: Pool, requests: Requests, length: int, see
                              for warmup, state in runs])
   cap = P.depth_cap(survival, caps, num_slots=B, keep=K, min_gain=0.02).cap
   sub = _truncated(pool, cap)
-  policy = _policy("av", cap, kind, refit_interval, shared_passes)
+  policy = _policy(arm, cap, kind, refit_interval, shared_passes)
   state = _warm(policy, sub, caps[cap - 1], **warm)
   tot, _ = _run(sub.features, sub.accepted, sub.accept_probs, requests, caps[cap - 1], 0,
                 state, arm=arm, num_slots=B, kind=kind, policy=policy,

@@ -133,7 +133,7 @@ ARMS = ("policy", "confstop", "choose_now", "staged")
 
 def _staged_policy(K: int) -> P.Policy:
   return P.make_policy(K, drafter_kind="autoregressive", estimator=P.identity_estimator(K),
-                       shared_passes=True)
+                       memory=P.latest_features(), shared_passes=True)
 
 
 def staged_depth(probs, plan, cost, predicted):

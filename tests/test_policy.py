@@ -113,7 +113,7 @@ def _predicting(B, K, p):
   """A shared-pass autoregressive policy whose every request is predicted acceptance `p`
   at every depth (identity estimator: the memory's features are the probabilities)."""
   policy = P.make_policy(K, drafter_kind="autoregressive", estimator=P.identity_estimator(K),
-                         shared_passes=True)
+                         memory=P.latest_features(), shared_passes=True)
   state = policy.init(B)
   return policy, state._replace(memory=state.memory._replace(
       latest=jnp.full((B, K), p, jnp.float32), known=jnp.ones((B, K), bool)))
@@ -244,12 +244,84 @@ def test_memory_decays_toward_the_depth_mean_and_admission_forgets():
   np.testing.assert_allclose(policy.parts[1].read(fresh.memory)[0], fresh.memory.mean)
 
 
+def _lagged_fit(persistent: bool, steps: int = 400, B: int = 64, K: int = 2):
+  """The lagged memory after `steps` steps of B requests whose drafts are accepted with
+  probability sigmoid(feature) (each step's outcome follows that step's feature).
+  `persistent`: a request's feature stays the same from step to step; else it is drawn
+  afresh every step, so the last step's feature says nothing about the next one."""
+  est = P.online_estimator(K, refit_interval=16)
+  part = P.lagged_features(est, decay=1.0)
+  update = jax.jit(part.update)
+  state = part.init(B, K)
+  rng = np.random.default_rng(0)
+  fixed = rng.normal(0.0, 2.0, (B, 1))
+  for _ in range(steps):
+    f = fixed if persistent else rng.normal(0.0, 2.0, (B, 1))
+    feats = np.repeat(f, K, axis=1).astype(np.float32)
+    accepted = rng.random((B, K)) < 1.0 / (1.0 + np.exp(-feats))
+    accepted[:, 1] &= accepted[:, 0]
+    labeled = np.ones((B, K), bool)
+    labeled[:, 1] = accepted[:, 0]
+    state = update(state, P.StepOutcome(
+        features=jnp.asarray(feats), drafted=jnp.ones((B, K), bool),
+        accepted=jnp.asarray(accepted), labeled=jnp.asarray(labeled),
+        step_ms=jnp.float32(1.0), explore_ms=jnp.float32(0.0)))
+  return part, state
+
+
+def test_the_lagged_memory_learns_what_the_last_step_says_about_the_next():
+  # Persistent requests: the last feature is the next step's, so the lagged slope is the
+  # drafts' own (1 in logit units; the features are the true logits). Features drawn
+  # afresh each step: the last one says nothing, the slope falls to ~0 and every request
+  # is predicted its position's acceptance (the negative control of the first case).
+  part, state = _lagged_fit(persistent=True)
+  assert 0.8 < float(state.lag.slope) < 1.25
+  high, low = jnp.full((1, 2), 2.0), jnp.full((1, 2), -2.0)
+  probs = lambda x: part.predict(state._replace(latest=jnp.broadcast_to(x, state.latest.shape),
+                                                known=jnp.ones_like(state.known)))[0, 0]
+  assert float(probs(high)) > 0.8 and float(probs(low)) < 0.2
+  part, state = _lagged_fit(persistent=False)
+  assert abs(float(state.lag.slope)) < 0.1
+  assert abs(float(probs(high)) - float(probs(low))) < 0.1
+  assert abs(float(probs(high)) - 0.5) < 0.1
+
+
+def test_replicas_learning_with_an_axis_name_agree_on_both_estimators():
+  # Two data-parallel replicas (vmapped over a named axis) see different steps; learning
+  # with `axis_name` sums the round statistics of the drafts' estimator and of the plan's
+  # lagged one, so after a refit both replicas hold the same coefficients of each.
+  # Negative control: without the axis name they differ.
+  K, B = 2, 4
+  policy = P.make_policy(K, drafter_kind="autoregressive",
+                         estimator_config=P.EstimatorConfig(refit_interval=1))
+  rng = np.random.default_rng(1)
+  feats = jnp.asarray(rng.normal(0.0, 2.0, (2, B, K)), jnp.float32)
+  accepted = jnp.asarray(rng.random((2, B, K)) < 0.5)
+  state = jax.tree.map(lambda x: jnp.stack([x, x]), policy.init(B))
+  state = state._replace(memory=state.memory._replace(
+      latest=feats[::-1], known=jnp.ones((2, B, K), bool)))
+  ones = jnp.ones((2, B, K), bool)
+  def learn(axis_name):
+    def one(s, f, a, d):
+      return policy.learn(s, P.StepOutcome(features=f, drafted=d, accepted=a, labeled=d,
+                                           step_ms=jnp.float32(1.0),
+                                           explore_ms=jnp.float32(0.0)), axis_name=axis_name)
+    return jax.vmap(one, axis_name="data")(state, feats, accepted, ones)
+  for name, agree in (("data", True), (None, False)):
+    out = learn(name)
+    for coefs in (out.estimator, out.memory.lag):
+      same = np.allclose(coefs.slope[0], coefs.slope[1]) and np.allclose(
+          coefs.intercepts[0], coefs.intercepts[1])
+      assert same == agree, (name, coefs.slope, coefs.intercepts)
+
+
 def test_exploration_spends_at_most_its_share_where_nothing_pays():
   B, K, share = 4, 4, 0.02
   cost = _cost(B, K, pass_ms=0.5)
   # Acceptance probabilities read as given (all 0 in memory): drafting never pays.
   policy = P.make_policy(K, drafter_kind="autoregressive",
-                         estimator=P.identity_estimator(K), explorer=P.explore_credit(share))
+                         estimator=P.identity_estimator(K), explorer=P.explore_credit(share),
+                         memory=P.latest_features())
   state = policy.init(B)
   plan_fn, learn_fn = jax.jit(policy.plan), jax.jit(policy.learn)
   active = jnp.ones((B,), bool)
@@ -274,7 +346,7 @@ def test_exploration_spends_at_most_its_share_where_nothing_pays():
   assert explored_slots[:4] == [0, 1, 2, 3]              # round robin
   # The ablation composition never explores.
   silent = P.make_policy(K, drafter_kind="autoregressive", estimator=P.identity_estimator(K),
-                         explorer=P.no_exploration())
+                         explorer=P.no_exploration(), memory=P.latest_features())
   s = silent.init(B)
   for _ in range(50):
     plan = silent.plan(s, active, cost)

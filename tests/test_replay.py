@@ -107,10 +107,11 @@ def test_the_depth_cap_predicts_each_warm_up_run_with_its_own_coefficients():
   requests with the coefficients that run ended with, and keep a deep cap (fixed:5-8 are
   the best static arms there). Negative control: the last refit's coefficients alone
   (its slope 0) halve the predicted survival and pick cap 2. The warm-up drafts to the
-  planned depths (`av-planned`), whose labelling swings the intercept most."""
+  planned depths (`av-planned`) under the plan of the drafts' own estimator (`av-unlagged`),
+  whose labelling swings the intercept most."""
   pool = R.load_pool("eagle", "math")
   B, K = 1024, 8
-  policy = R._policy("av", K, "autoregressive", 16)
+  policy = R._policy("av-unlagged", K, "autoregressive", 16)
   caps = [R.deployment_cost("h200", "eagle", B, k, k) for k in range(1, K + 1)]
   runs = []
   last = R._warm(policy, pool, caps[-1], B=B, kind="autoregressive", length=64, seed=0,

@@ -76,14 +76,11 @@ def latest_features(*, horizon: float = 256.0, decay: float = 0.8) -> Part:
 
 
 def lagged_features(estimator, **kwargs) -> Part:
-  """`latest_features` (`kwargs`: its `horizon`, `decay`), with the next step's acceptance
-  predicted by an estimator of its own (`estimator`, an `online_estimator`), fitted on what
-  the plan read (the memory before each step) against that step's outcomes. The drafted
-  features predict their own step's acceptance; this estimator measures how much they say
-  about the request's next step, which is what the plan decides on. Example: a drafter
-  whose features say nothing about the next step's acceptance fits a lagged slope near 0,
-  and every request is planned by its position's acceptance; one whose requests stay
-  easy or hard for many steps keeps a slope near the estimator's own."""
+  """`latest_features` (`kwargs`: `horizon`, `decay`) whose next-step acceptance is
+  predicted by its own `estimator`, fitted on what the plan read (the memory before each
+  step) against that step's outcomes: what a request's last features say of its next step.
+  Example: features unrelated to the next step fit a slope near 0 (every request planned
+  by its position's acceptance); requests that stay easy or hard keep the drafts' slope."""
   part = latest_features(**kwargs)
 
   def init(num_slots, K):
@@ -96,13 +93,6 @@ def lagged_features(estimator, **kwargs) -> Part:
 
   return Part(init, update, part.read,
               lambda state: estimator.predict(state.lag, part.read(state)))
-
-
-def position_prior() -> Part:
-  """Ablation of `latest_features`: every request is predicted by the depth means."""
-  part = latest_features()
-  return part._replace(update=lambda state, step, **kw: part.update(state, step)._replace(
-      known=jnp.zeros_like(state.known)))
 
 
 class ExploreState(NamedTuple):

@@ -65,8 +65,7 @@ import numpy as np
 
 from av_jax.estimator import EstimatorConfig, online_estimator
 from av_jax.parts import (ExploreState, MemoryState, Part, StepOutcome, estimator_part,
-                          explore_credit, lagged_features, latest_features, no_exploration,
-                          position_prior)
+                          explore_credit, lagged_features, latest_features, no_exploration)
 
 DRAFTER_KINDS = ("autoregressive", "parallel")
 

@@ -275,10 +275,17 @@ def _policy(arm: str, K: int, kind: str, refit_interval: int,
   if arm == "av-unlagged":
     return P.make_policy(K, drafter_kind=kind, estimator=est, memory=P.latest_features())
   if arm == "av-prior":
-    return P.make_policy(K, drafter_kind=kind, estimator=est, memory=P.position_prior())
+    return P.make_policy(K, drafter_kind=kind, estimator=est, memory=_position_prior())
   if arm == "av-noexplore":
     return P.make_policy(K, drafter_kind=kind, estimator=est, explorer=P.no_exploration())
   return P.make_policy(K, drafter_kind=kind, estimator=est)
+
+
+def _position_prior() -> P.Part:
+  """`av-prior`'s memory: every request is predicted by the depth means."""
+  part = P.latest_features()
+  return part._replace(update=lambda state, step, **kw: part.update(state, step)._replace(
+      known=jnp.zeros_like(state.known)))
 
 
 def pad_cost(tables: costs.CostTables, K: int, num_slots: int) -> P.StepCost:

@@ -21,7 +21,7 @@ known then; every use is exact (docs/algorithm.md sections 5 and 10):
 1. `plan`, before drafting, from information fixed before this step's draws: every
    active request's predicted survival curve gives the rows that draft and each row's
    depth. The curve is a second estimator's (`lagged_features`) on the request's latest
-   drafted features (the running mean feature of each depth where it has none), fitted
+   drafted features centred on each depth's running mean (0 where it has none), fitted
    on those reads against the outcomes of the step they planned: what the last step's
    features say about the next step.
 2. `keep_drafting`, after each pass of a sampled autoregressive drafter: the drafted

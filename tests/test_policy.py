@@ -286,6 +286,31 @@ def test_the_lagged_memory_learns_what_the_last_step_says_about_the_next():
   assert abs(float(probs(high)) - 0.5) < 0.1
 
 
+def test_the_plans_estimator_reads_features_centred_on_each_depths_mean():
+  # A request the plan knows nothing of reads the depth's mean, and is predicted the
+  # intercept's acceptance whatever the slope: the slope moves only what a request's own
+  # features say beyond the mean. Features sit far from 0 (mean -3, as a sampled
+  # drafter's log-odds do), where an uncentred slope would move every prediction: the
+  # negative control computes that one with the same coefficients.
+  K, B = 3, 2
+  est = P.online_estimator(K)
+  part = P.lagged_features(est)
+  state = part.init(B, K)._replace(mean=jnp.full((K,), -3.0),
+                                   latest=jnp.asarray([[-2.0] * K, [-3.0] * K]),
+                                   known=jnp.asarray([[True] * K, [False] * K]))
+  intercepts = jnp.asarray([-0.5, 0.0, 0.5])
+  predicted = {}
+  for slope in (0.2, 0.9):
+    lag = state.lag._replace(slope=jnp.float32(slope), intercepts=intercepts)
+    predicted[slope] = np.asarray(part.predict(state._replace(lag=lag)))
+    uncentred = np.asarray(est.predict(lag, part.read(state)))
+    assert not np.allclose(uncentred[1], np.asarray(jax.nn.sigmoid(intercepts)), atol=0.05)
+  for slope, probs in predicted.items():
+    np.testing.assert_allclose(probs[1], jax.nn.sigmoid(intercepts), rtol=1e-6)
+    assert np.all(probs[0] > probs[1])  # its own feature, 1 above the mean, says more
+  assert np.all(predicted[0.9][0] > predicted[0.2][0])
+
+
 def test_replicas_learning_with_an_axis_name_agree_on_both_estimators():
   # Two data-parallel replicas (vmapped over a named axis) see different steps; learning
   # with `axis_name` sums the round statistics of the drafts' estimator and of the plan's

@@ -80,21 +80,17 @@ def lagged_features(estimator, **kwargs) -> Part:
   predicted by its own `estimator`, fitted on what the plan read (the memory before each
   step) against that step's outcomes: what a request's last features say of its next step.
 
-  The estimator reads the memory centred on each depth's running mean, so its intercepts
-  are the acceptance of a request at the mean and its slope moves only what a request's
-  own features say beyond it. Uncentred, a sampled drafter's features (log-odds near -3)
-  make slope and intercepts nearly collinear, and their separately damped refits let a
-  slope step shift every request's prediction. Example: features unrelated to the next
-  step fit a slope near 0 (every request planned by its position's acceptance); requests
-  that stay easy or hard keep the drafts' slope; a request with no features is predicted
-  sigmoid(intercept) at every slope."""
+  It reads the memory centred on each depth's running mean: an intercept is the acceptance
+  of a request at the mean, the slope prices only a request's distance from it (raw
+  log-odds near -3 make slope and intercepts collinear under separately damped refits).
+  Example: features unrelated to the next step fit a slope near 0 (every request planned
+  by sigmoid(intercept)); requests that stay easy or hard keep the drafts' slope."""
   part = latest_features(**kwargs)
 
   def init(num_slots, K):
     return part.init(num_slots, K)._replace(lag=estimator.init())
 
-  def centred(state):
-    return part.read(state) - state.mean[None, :]
+  centred = lambda state: part.read(state) - state.mean[None, :]
 
   def update(state, step, *, axis_name=None):
     lag = estimator.update(state.lag, centred(state), step.accepted, step.labeled,

@@ -18,6 +18,7 @@ import pytest
 from av_jax import engine as E
 from av_jax.engine import batching as G
 from av_jax.engine import core
+from av_jax.estimator import EstimatorConfig
 from av_jax.sampling import Sampling
 from av_jax.selection import make_cost_model
 
@@ -33,9 +34,12 @@ def _cost(B, K, draft_ms):
 
 
 def _engine(kind, quiet_program, *, mode="av", temperature=0.0, drafter_backlog=None):
+  # The estimator refits every 4 steps, so what it learns changes the plan within a run
+  # of ~40 steps (with the default 100 the plan stays at its prior: all steps or none).
   cfg, drafter, _ = fx.pair(kind)
   config = E.EngineConfig(num_slots=3, max_draft=4, max_len=64, mode=mode,
                           sampling=Sampling(temperature=temperature),
+                          estimator=EstimatorConfig(refit_interval=4),
                           programs=E.Programs(steps_per_chunk=4, quiet_program=quiet_program,
                                               drafter_backlog=drafter_backlog))
   return E.make_engine(config, cfg, drafter)

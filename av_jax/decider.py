@@ -187,10 +187,7 @@ class PolicyDecider:
     del top1
     B, K = jnp.shape(probs)
     active = jnp.ones((B,), bool) if active is None else jnp.asarray(active, bool)
-    if sound is not None:
-      active_draft = active & jnp.asarray(sound, bool)
-    else:
-      active_draft = active
+    active_draft = active if sound is None else active & jnp.asarray(sound, bool)
     carry = decision.planner
     planned = carry.plan
     drafting = jnp.broadcast_to(jnp.asarray(drafting, bool), (B,))

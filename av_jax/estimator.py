@@ -293,3 +293,13 @@ def online_estimator(
                          update=functools.partial(_update, K, config),
                          refit=functools.partial(_refit, K, config),
                          num_positions=K, config=config)
+
+
+def identity_estimator(K: int) -> OnlineEstimator:
+  """An estimator that reads its input as the acceptance probabilities and never learns
+  (the replay feeds it the true ones, to separate the estimator's errors from the
+  decision's)."""
+  return OnlineEstimator(init=lambda: jnp.zeros((), jnp.float32),
+                         predict=lambda state, x: x, update=lambda state, *a, **k: state,
+                         refit=lambda state: state, num_positions=int(K),
+                         config=EstimatorConfig())

@@ -46,8 +46,8 @@ explorer=...)`).
 The engine's shape is priced by the same objective (`depth_cap`): an engine of depth cap
 K pays for its K in every drafting step (an autoregressive drafter's first pass reads the
 K + 1 pending tokens a request, a parallel drafter drafts its whole block), so the cap is
-the K whose engine, every request drafting and verifying to it, has the highest
-predicted tokens per ms at the deployment's concurrency.
+the K under which the plan's own choice, on batches of the deployment's requests, has the
+highest predicted tokens per ms.
 
 Example (one request, K = 2, verify 1.0 ms + 0.1 ms a token, drafting 0.2 ms a depth):
 survivals [0.9, 0.5] give rates 1/1.0, 1.9/1.3 = 1.46, 2.4/1.6 = 1.5: draft and verify
@@ -57,13 +57,14 @@ both positions. Survivals [0.3, 0.1] give 1/1.0, 1.3/1.3 = 1.0, 1.4/1.6: draft n
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, NamedTuple, Sequence
+import functools
+from typing import Any, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from av_jax.estimator import EstimatorConfig, online_estimator
+from av_jax.estimator import EstimatorConfig, identity_estimator, online_estimator
 from av_jax.parts import (ExploreState, MemoryState, Part, StepOutcome, estimator_part,
                           explore_credit, lagged_features, latest_features, no_exploration)
 
@@ -206,44 +207,33 @@ def _drafting_ms(cost: StepCost, ranked_k, ranked_ok, caps, shared_passes: bool)
 class DepthCap(NamedTuple):
   cap: int              # the chosen depth cap K (>= 1)
   rates: np.ndarray     # [K_max] predicted tokens per ms of the engine of cap k + 1
-  target_rate: float    # predicted tokens per ms of the target alone (for reference)
 
 
 def depth_cap(survival, costs: Sequence[StepCost], *, num_slots: int, weights=None,
-              keep: int | None = None, min_gain: float = 0.0) -> DepthCap:
-  """The depth cap K of an engine (draft positions per request), chosen once from the
-  predicted survival of the deployment's drafts and its prices.
+              shared_passes: bool = False) -> DepthCap:
+  """The depth cap K of an engine: the k under which the plan's own choice (`choose`,
+  depths <= k, cap k's tables) on batches of `num_slots` of the deployment's requests has
+  the most expected tokens per ms (ties to the smaller k). A deeper cap makes every
+  drafting step dearer (a wider first pass or block); the plan drafts deep only where it
+  pays, so the cap is priced for its choices, not for "every request verifies k".
 
-  The engine of cap k, all `num_slots` requests drafting and verifying k positions, costs
-  `draft(B rows to depth k) + verify(B (k + 1))` a step under its own tables `costs[k - 1]`,
-  and request n emits `t_n = 1 + sum_{j < k} S[n, j]` tokens a step, so it holds its slot
-  for `L / t_n` steps of its L tokens: a step emits `B H_n(t_n)` tokens, H the harmonic
-  mean over requests (a request that accepts little holds its slot longer). Curves
-  sampled as a request runs (several per request) take `weights`, the tokens the request
-  emitted since its previous sample: a request's weights then sum to its length, and
-  `sum w / sum (w / t)` is the harmonic mean over requests of equal length. The cap is
-  the k with the most tokens per ms (ties to the smaller k). The per-step choice then drafts and verifies
-  fewer where that pays; it cannot go deeper than the cap, and a deeper cap makes every
-  drafting step dearer (a wider first pass or block), so the cap is where the marginal
-  depth stops paying on average.
+  A request joins a batch with probability proportional to the steps it holds its slot,
+  `w_n / t_n(k)`, `t_n(k) = 1 + sum_{j < k} S[n, j]` (one that accepts little holds it
+  longer); batches are stratified draws, the same for every cap.
 
   Args:
-    survival: `[N, K_max]` predicted survival curves: one per recent request (the mean
-      over its steps, e.g. of `Policy.survival` of a warm estimator on its features),
-      or several per request with `weights` (e.g. `predicted_survival` of every active
-      request after every chunk).
-    weights: `[N]` non-negative, the tokens each curve's request emitted since its
-      previous curve (None: one curve per request, equal weights).
-    costs: `StepCost` of the engine of each cap k = 1..K_max (`costs[k - 1]` with k depth
-      columns and verify entries up to `num_slots (k + 1)` tokens).
+    survival: `[N, K_max]` predicted survival curves: one per recent request, or several
+      per request with `weights` (e.g. `predicted_survival` after every chunk).
+    costs: `StepCost` of the engine of each cap k = 1..K_max (`costs[k - 1]` with >= k
+      depth columns and verify entries up to `num_slots (k + 1)` tokens).
     num_slots: B, the concurrency the engine serves.
-    keep: the cap of the engine running now; it stays unless another cap's predicted
-      rate beats its own by more than `min_gain` (a new shape costs a compile).
-    min_gain: e.g. 0.02: another cap must be predicted more than 2% faster.
+    weights: `[N]` non-negative, the tokens each curve's request emitted since its
+      previous curve, so a request's weights sum to its length (None: equal).
+    shared_passes: as `choose` (a parallel drafter's block: True).
 
-  Example: survival [[0.9, 0.5, 0.1]], B = 1, every engine verifying at 1.0 ms plus 0.1 ms
-  a draft token and drafting at 0.2 ms a depth: caps 1, 2, 3 rate 1.9 / 1.3 = 1.46, 2.4 / 1.6 =
-  1.50, 2.5 / 1.9 = 1.32 tokens per ms: cap 2.
+  Example: survival [[0.9, 0.5, 0.1]], B = 1, verify 1.0 ms plus 0.1 ms a draft token,
+  drafting 0.2 ms a depth: caps 1, 2, 3 choose 1, 2 and 2 positions, 1.9 / 1.3 = 1.46,
+  2.4 / 1.6 = 1.50, 1.50 tokens per ms: cap 2.
   """
   S = np.clip(np.nan_to_num(np.asarray(survival, np.float64), nan=0.0), 0.0, 1.0)
   if S.ndim != 2 or S.shape[0] == 0:
@@ -258,26 +248,51 @@ def depth_cap(survival, costs: Sequence[StepCost], *, num_slots: int, weights=No
   if w.shape != S.shape[:1] or not np.all(w >= 0) or not w.sum() > 0:
     raise ValueError(f"weights: expected [{S.shape[0]}] non-negative with a positive sum, "
                      f"got shape {w.shape}")
-  per_step = 1.0 + np.cumsum(S, axis=1)                   # [N, K]: t_n at cap k + 1
-  tokens = w.sum() / np.sum(w[:, None] / per_step, axis=0)  # weighted harmonic mean
-  rates = np.zeros(K)
-  for k in range(1, K + 1):
-    c = costs[k - 1]
-    depth = np.asarray(c.draft_depth_ms)
-    if depth.ndim != 2 or depth.shape[1] < k or depth.shape[0] < 2:
+  stacked = _stacked_caps(costs, B)
+  held = w[:, None] / (1.0 + np.cumsum(S, axis=1))                       # [N, K]
+  draws = B * int(np.clip(-(-64 * S.shape[0] // B), 4, max(4, 16384 // B)))
+  u = (np.random.default_rng(0).permutation(draws) + 0.5) / draws
+  cdf = np.cumsum(held, axis=0) / held.sum(axis=0)
+  pick = np.stack([np.minimum(np.searchsorted(cdf[:, k], u), len(S) - 1) for k in range(K)])
+  expected, ms = _cap_rates(jnp.asarray(S[pick].reshape(K, -1, B, K), jnp.float32), stacked,
+                            shared_passes)
+  rates = np.asarray(expected, np.float64).sum(1) / np.asarray(ms, np.float64).sum(1)
+  return DepthCap(cap=int(np.argmax(rates)) + 1, rates=rates)
+
+
+def _stacked_caps(costs: Sequence[StepCost], B: int) -> StepCost:
+  """Every cap's tables in one `StepCost` of `[K]`-stacked arrays: cap k's drafting columns
+  past k priced 0 (never chosen), rows and verify entries padded with their last."""
+  K, R = len(costs), max(np.shape(c.draft_depth_ms)[0] for c in costs)
+  T = max(max(np.shape(c.verify_ms)[0] for c in costs), B * (K + 1) + 1)
+  depth, verify = [], []
+  for k, c in enumerate(costs, start=1):
+    d = np.asarray(c.draft_depth_ms, np.float32)
+    if d.ndim != 2 or d.shape[1] < k or d.shape[0] < 2:
       raise ValueError(f"costs[{k - 1}]: expected draft_depth_ms [R + 1, >= {k}], got "
-                       f"{depth.shape}")
-    rows = min(B, depth.shape[0] - 1)
-    ms = float(depth[rows, :k].sum()) + float(c.verify(jnp.asarray(B * (k + 1))))
-    rates[k - 1] = B * tokens[k - 1] / max(ms, 1e-9)
-  target = B / max(float(costs[0].verify(jnp.asarray(B))), 1e-9)
-  cap = int(np.argmax(rates)) + 1
-  if keep is not None:
-    if not 1 <= keep <= K:
-      raise ValueError(f"keep: expected the running cap in 1..{K}, got {keep!r}")
-    if rates[cap - 1] <= (1.0 + min_gain) * rates[keep - 1]:
-      cap = keep
-  return DepthCap(cap=cap, rates=rates, target_rate=target)
+                       f"{d.shape}")
+    d = np.pad(d[:, :k], ((0, R - d.shape[0]), (0, K - k)), mode="edge")
+    d[:, k:] = 0.0
+    depth.append(d)
+    verify.append(np.pad(np.asarray(c.verify_ms, np.float32), (0, T - np.shape(c.verify_ms)[0]),
+                         mode="edge"))
+  return StepCost(jnp.asarray(np.stack(depth)), jnp.asarray(np.stack(verify)))
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _cap_rates(curves: jax.Array, costs: StepCost, shared_passes: bool):
+  """`[C, batches]` expected tokens and priced ms of the plan's choice on each batch of
+  `curves [C, batches, B, K]` under cap c + 1 (depths <= c + 1, `costs` stacked by cap)."""
+  C, _, B, K = curves.shape
+
+  def one(S, cost, cap):
+    ok = jnp.broadcast_to(jnp.arange(K) < cap, (B, K))
+    got = choose(S, eligible=ok, forced=jnp.zeros_like(ok), active=jnp.ones((B,), bool),
+                 cost=cost, shared_passes=shared_passes)
+    return got.expected, got.cost_ms
+
+  per_cap = jax.vmap(one, in_axes=(0, None, None))
+  return jax.lax.map(lambda a: per_cap(*a), (curves, costs, jnp.arange(1, C + 1)))
 
 
 # ---------------------------------------------------------------------------- policy
@@ -428,17 +443,6 @@ class Policy:
     distance = (jnp.arange(B) - e.next_slot) % B
     slot = jnp.argmin(jnp.where(active, distance, B))
     return due & (jnp.arange(B) == slot)
-
-
-def identity_estimator(K: int):
-  """An estimator that reads its input as the acceptance probabilities (the replay feeds
-  it the true ones, to separate the estimator's errors from the decision's)."""
-  class _Identity(NamedTuple):
-    init: Callable
-    predict: Callable
-    update: Callable
-  return _Identity(init=lambda: jnp.zeros((), jnp.float32),
-                   predict=lambda state, x: x, update=lambda state, *a, **k: state)
 
 
 def make_policy(num_positions: int, *, drafter_kind: str, greedy: bool = False,

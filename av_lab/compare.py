@@ -379,9 +379,8 @@ class Runner:
     """The arm as it runs: under `depth_cap`, the `av` arm on the depth cap
     `policy.depth_cap` picks from its warm-up run on its K = `arm.k` engine (every
     running request's predicted survival curve after every chunk, weighted by the tokens
-    it emitted in the chunk, `_CurveSampler`; each cap's tables on this clock); a new cap
-    must be predicted more than 2% faster than K, since it costs another compile
-    and warm-up. Other arms, and `av` without `depth_cap`: unchanged."""
+    it emitted in the chunk, `_CurveSampler`; each cap's tables on this clock). Other
+    arms, and `av` without `depth_cap`: unchanged."""
     if not self.depth_cap or arm.mode != "av":
       return arm
     memo = (pair.drafter.kind, slots, arm)
@@ -390,13 +389,13 @@ class Runner:
         raise ValueError("depth_cap: needs warm_start (a fitted estimator) and a modelled "
                          f"clock (each cap's tables), got warm_start={self.warm_start}, "
                          f"clock {self.clock.name!r}")
-      self.engine(pair, slots, arm, warm_prompts)
+      policy = self.engine(pair, slots, arm, warm_prompts)[0].decider.policy
       survival, weights = self._curves[memo]
       caps = [P.StepCost.from_tables(deployment_tables(
           self.clock, drafter_kind=pair.drafter.kind, num_slots=slots, max_draft=k))
               for k in range(1, arm.k + 1)]
-      choice = P.depth_cap(survival, caps, num_slots=slots, weights=weights, keep=arm.k,
-                           min_gain=0.02)
+      choice = P.depth_cap(survival, caps, num_slots=slots, weights=weights,
+                           shared_passes=policy.drafter_kind == "parallel" or policy.shared_passes)
       rates = " ".join(f"{r / choice.rates.max():.3f}" for r in choice.rates)
       self.log(f"  depth cap {pair.drafter.kind} B={slots} {arm.name}: K = {choice.cap} "
                f"(predicted rate of caps 1..{arm.k} / best: {rates})")

@@ -449,8 +449,8 @@ def _capped_av(point: Point, *, pool: Pool, requests: Requests, length: int, see
                refit_interval: int, shared_passes: bool, arm: str = "av") -> dict:
   """`av-depth-cap`: AV on an engine whose depth cap `policy.depth_cap` chose from the warm
   estimator's survival on the warm-up requests' recorded features (other requests than
-  the replayed ones) and each cap's deployment tables, keeping K unless another cap is
-  predicted more than 2% faster (as `compare --depth-cap` does); then AV, warmed again
+  the replayed ones) and each cap's deployment tables (as `compare --depth-cap` does);
+  then AV, warmed again
   at that cap, replays the requests on it. Each warm-up run's requests are predicted
   with the coefficients that run ended with, as the engine's warm-up samples its curves
   with the coefficients in force (`compare._CurveSampler`): one refit does not decide."""
@@ -463,7 +463,7 @@ def _capped_av(point: Point, *, pool: Pool, requests: Requests, length: int, see
   # One curve per warm-up request: the mean predicted survival over its recorded steps.
   survival = np.concatenate([_request_curves(policy, state, pool, warmup)
                              for warmup, state in runs])
-  cap = P.depth_cap(survival, caps, num_slots=B, keep=K, min_gain=0.02).cap
+  cap = P.depth_cap(survival, caps, num_slots=B, shared_passes=kind == "parallel").cap
   sub = _truncated(pool, cap)
   policy = _policy(arm, cap, kind, refit_interval, shared_passes)
   state = _warm(policy, sub, caps[cap - 1], **warm)

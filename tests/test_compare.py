@@ -251,17 +251,17 @@ def test_depth_cap_runs_av_on_the_engine_of_the_chosen_cap(monkeypatch):
   """`compare(depth_cap=True)`: after the av arm's warm-up on its K = 4 engine,
   `policy.depth_cap` gets the running requests' predicted survival curves after every
   chunk of it, each weighted by the tokens its request emitted in the chunk, and one
-  table per cap 1..4 (keeping K unless another cap is > 2% faster); the timed runs are on
+  table per cap 1..4, priced as a block
+  drafter's plan prices its drafting (every drafting row to the deepest depth); the timed runs are on
   the engine of the cap it returns, warmed up in turn; a static arm is untouched.
   Without a warm start (no fitted estimator) it is refused."""
   from av_jax import policy as P
   seen = {}
 
-  def fake(survival, costs, *, num_slots, weights, keep, min_gain):
+  def fake(survival, costs, *, num_slots, weights, shared_passes):
     seen.update(shape=np.shape(survival), caps=[np.shape(c.draft_depth_ms) for c in costs],
-                num_slots=num_slots, weights=np.asarray(weights), keep=keep,
-                min_gain=min_gain)
-    return P.DepthCap(cap=2, rates=np.asarray([1.0, 2.0, 1.5, 1.2]), target_rate=1.0)
+                num_slots=num_slots, weights=np.asarray(weights), shared_passes=shared_passes)
+    return P.DepthCap(cap=2, rates=np.asarray([1.0, 2.0, 1.5, 1.2]))
 
   monkeypatch.setattr(C.P, "depth_cap", fake)
   lines = []
@@ -277,7 +277,7 @@ def test_depth_cap_runs_av_on_the_engine_of_the_chosen_cap(monkeypatch):
   assert np.all((seen["weights"] >= 1) & (seen["weights"] <= 5))
   assert seen["num_slots"] == 2
   assert [c[1] for c in seen["caps"]] == [1, 2, 3, 4]
-  assert seen["keep"] == 4 and seen["min_gain"] == 0.02
+  assert seen["shared_passes"] is True  # a block drafter drafts its whole block
   ks = {r["arm"]: r["k"] for r in result["results"]}
   assert ks == {"fixed:1": 1, "av": 2}
   assert any("depth cap block B=2 av: K = 2" in line for line in lines)

@@ -117,7 +117,7 @@ def test_the_depth_cap_predicts_each_warm_up_run_with_its_own_coefficients():
   last = R._warm(policy, pool, caps[-1], B=B, kind="autoregressive", length=64, seed=0,
                  runs=runs, arm="av-planned")
   assert len(runs) >= 3 and runs[-1][1] is last
-  pick = lambda survival: P.depth_cap(survival, caps, num_slots=B, keep=K, min_gain=0.02).cap
+  pick = lambda survival: P.depth_cap(survival, caps, num_slots=B).cap
   over_runs = np.concatenate([R._request_curves(policy, state, pool, requests)
                               for requests, state in runs])
   assert pick(over_runs) >= 4

@@ -33,7 +33,12 @@ def _free_port() -> int:
 def _run(tmp_path, name: str, argvs: list[list[str]]) -> None:
   """Runs the processes `argvs` together; returns when all exited 0, raises otherwise."""
   env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)  # the worker sets its own device count
+  # The worker sets its own device count; other XLA flags (the test tiers' compile
+  # settings) pass through.
+  flags = [f for f in env.pop("XLA_FLAGS", "").split()
+           if not f.startswith("--xla_force_host_platform_device_count")]
+  if flags:
+    env["XLA_FLAGS"] = " ".join(flags)
   procs, logs = [], []
   try:
     for i, argv in enumerate(argvs):

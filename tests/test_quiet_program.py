@@ -157,8 +157,9 @@ def test_the_quiet_step_where_a_slot_drafts_is_not_the_engines_step():
 def test_the_drafting_step_where_no_slot_drafts_is_not_the_engines_step():
   """Negative control: where the plan lets no slot draft, the drafting step computes
   something else than `step` (it verifies the base tokens through a packed bucket and
-  rejection sampling, not a target-only step's pass and draw), so `next_drafts` is what
-  makes the split run equal the one-program run."""
+  rejection sampling, not a target-only step's pass and draw: other tokens from the same
+  cache entries), so `next_drafts` is what makes the split run equal the one-program
+  run."""
   engine = _engine("block", True, temperature=1.0)
   params = fx.pair("block")[2]
   state = _regime(engine, _busy(engine, params, 0.5), "skip")
@@ -168,7 +169,10 @@ def test_the_drafting_step_where_no_slot_drafts_is_not_the_engines_step():
   b, info_b = jax.jit(lambda p, s: core.drafting_step(engine, p, s))(params, fresh())
   assert not bool(info_a.drafting) and not bool(info_b.drafting)
   assert not np.array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
-  assert not np.array_equal(np.asarray(a.target_cache.k), np.asarray(b.target_cache.k))
+  # Both passes write the same base tokens' keys (to rounding: the packed pass may sum in
+  # another order), so the draw is what differs.
+  np.testing.assert_allclose(np.asarray(a.target_cache.k), np.asarray(b.target_cache.k),
+                             rtol=1e-5, atol=1e-5)
 
 
 def test_a_quiet_step_needs_a_gated_engine():

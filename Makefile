@@ -61,7 +61,7 @@ TEST_ENV := $(if $(JAX_CACHE),JAX_COMPILATION_CACHE_DIR=$(JAX_CACHE) \
 TEST_XLA_FLAGS ?= --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false
 FAST_ENV := $(TEST_ENV) XLA_FLAGS="$(strip $(TEST_XLA_FLAGS) $(XLA_FLAGS))"
 # `make test` leaves the tests named in tests/SLOW_TESTS.txt (engine and model tests of
-# >= 12 s each: compile-bound) to `make test-slow`; CI runs both; `make test-all` is both.
+# >= 12 s each at XLA's default flags: compile-bound) to `make test-slow`; CI runs both; `make test-all` is both.
 test: $(STAMP)
 	$(FAST_ENV) $(PY) -m pytest -q -n 2 --dist worksteal $(RERUN) -m "not slow" $(PYTEST_ARGS) tests
 

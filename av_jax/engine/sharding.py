@@ -62,19 +62,23 @@ def _leaf_name(path) -> list[str]:
 
 
 def param_spec(path, leaf) -> P:
-  """Partition spec of one parameter, from its name path (Megatron-style split)."""
+  """Partition spec of one parameter, from its name path (Megatron-style split). A
+  transformer's scanned layers (`layers/...`) carry a leading layer axis, replicated:
+  `layers/attn/q/kernel [L, D, H, Dh]` splits H like a single layer's `[D, H, Dh]`."""
   names = _leaf_name(path)
   if names[-1] != "kernel":
     return P()
+  lead = (None,) if "layers" in names[:-1] else ()
+  ndim = leaf.ndim - len(lead)
   owner = names[-2] if len(names) >= 2 else ""
-  if owner in ("q", "k", "v") and leaf.ndim == 3:
-    return P(None, MODEL, None)
-  if owner == "o" and leaf.ndim == 3:
-    return P(MODEL, None, None)
-  if owner in ("gate", "up") and leaf.ndim == 2:
-    return P(None, MODEL)
-  if owner == "down" and leaf.ndim == 2:
-    return P(MODEL, None)
+  if owner in ("q", "k", "v") and ndim == 3:
+    return P(*lead, None, MODEL, None)
+  if owner == "o" and ndim == 3:
+    return P(*lead, MODEL, None, None)
+  if owner in ("gate", "up") and ndim == 2:
+    return P(*lead, None, MODEL)
+  if owner == "down" and ndim == 2:
+    return P(*lead, MODEL, None)
   return P()
 
 

@@ -188,11 +188,13 @@ def identity(cfg: ModelsConfig) -> dict[str, Any]:
 _HASH_NEUTRAL = {"head_rank": 0}
 
 
-def config_hash(cfg: ModelsConfig, part: str) -> str:
+def config_hash(cfg: ModelsConfig, part: str, format: int | None = None) -> str:
   """Fingerprint of what determines checkpoint `part` ("target", "eagle", ...).
 
   Covers the model shapes, the training settings of that part and of everything it was
-  distilled from, the data, the seed and the checkpoint format version.
+  distilled from, the data, the seed and the checkpoint format version `format` (default
+  the one `checkpoint.save` writes; a file is checked against the format it was written
+  in, so files of every readable format keep loading).
   """
   d = to_dict(cfg)
   for section in d.values():  # fields added later, at the value older files were built with
@@ -205,6 +207,7 @@ def config_hash(cfg: ModelsConfig, part: str) -> str:
   drafters = ["draft_lm", "eagle", "block", "train_drafters"]
   extra = {"target": [], "draft_lm": drafters, "eagle": drafters, "block": drafters,
            "block_head": drafters + ["train_head"]}[part]
-  blob = json.dumps({"format": checkpoint.FORMAT_VERSION, "part": part,
+  fmt = checkpoint.FORMAT_VERSION if format is None else format
+  blob = json.dumps({"format": fmt, "part": part,
                      **{k: d[k] for k in keys + extra}}, sort_keys=True)
   return hashlib.sha256(blob.encode()).hexdigest()[:16]

@@ -202,9 +202,9 @@ def _attend_rows(q, p, cache_k, cache_v, written, k, v, valid, positions, scale)
           + jnp.einsum("bhij,bjhd->bihd", weights[..., m:], v))
 
 
-def _one_layer(x: jax.Array, layer: int | None, squeezed: bool) -> jax.Array:
-  """Layer `layer` of a stacked cache leaf `[L, B, H, M, Dh]` as `[B, H, M, Dh]` (`x`
-  itself when `layer` is None); `squeezed`: `x` is `[L, H, M, Dh]`, the stacked leaf of a
+def _one_layer(x: jax.Array, layer: jax.Array | None, squeezed: bool) -> jax.Array:
+  """Layer `layer` (an int or a scalar int array) of a stacked cache leaf
+  `[L, B, H, M, Dh]` as `[B, H, M, Dh]` (`x` itself when `layer` is None); `squeezed`: `x` is `[L, H, M, Dh]`, the stacked leaf of a
   one-slot cache without its slot axis, which is put back. One-slot caches reach the
   attention branches so: XLA gives a conditional's operand with a size-1 axis a layout of
   its own, and copied the whole stacked cache into every layer's branch."""
@@ -214,7 +214,7 @@ def _one_layer(x: jax.Array, layer: int | None, squeezed: bool) -> jax.Array:
 
 
 def _attend_slotted_read(q, k, v, cache: LayerKV, *, slot, positions, write_positions,
-                         width: int, layer: int | None = None):
+                         width: int, layer: jax.Array | None = None):
   """`_attend_packed_read` computed per slot, reading each slot's cache once.
 
   Every slot's first token of the pass attends from a `[B, 1]` layout (a plain step's
@@ -304,15 +304,15 @@ class Attention(nn.Module):
   # packed_read: at most this many valid tokens per slot -> per-slot attention
   # (`_attend_slotted_read`); None: per token (`_attend_packed_read`).
   slot_width: int | None = None
-  # packed_read with `slot_width`: `cache` is every layer's `[L, B, H, M, Dh]` and this is
-  # the layer's index (sliced where it is read, only the live positions).
-  layer: int | None = None
 
   @nn.compact
   def __call__(self, x, positions, cache: LayerKV | None = None, slot=None,
-               write_positions=None, pick=None):
+               write_positions=None, pick=None, layer=None):
     """`pick [B]` (mode "dense" only): every column writes its keys and values, only
-    column `pick[b]` of row b queries; the output is `[B, 1, D]`."""
+    column `pick[b]` of row b queries; the output is `[B, 1, D]`. `layer` (mode
+    `packed_read` with `slot_width`, optional): `cache` is every layer's
+    `[L, B, H, M, Dh]` and this is the layer's index, an int or a traced scalar (the
+    layer is sliced where it is read, only the live positions)."""
     if pick is not None and self.mode != "dense":
       raise ValueError(f"pick: expected None outside mode 'dense', got mode {self.mode!r}")
     dense = lambda name: nn.DenseGeneral((self.num_heads, self.head_dim), use_bias=False,
@@ -354,7 +354,7 @@ class Attention(nn.Module):
       else:
         out = _attend_slotted_read(q, ks, vs, cache, slot=slot, positions=positions,
                                    write_positions=write_positions, width=self.slot_width,
-                                   layer=self.layer)
+                                   layer=layer)
       new_cache = LayerKV(k, v)  # [T, H, Dh]: this pass's entries, to be written
     else:
       raise ValueError(f"unknown attention mode {self.mode!r}")
@@ -370,16 +370,16 @@ class Block(nn.Module):
   rope_theta: float
   mode: str
   slot_width: int | None = None  # `Attention.slot_width`
-  layer: int | None = None       # `Attention.layer`
 
   @nn.compact
-  def __call__(self, x, positions, cache=None, slot=None, write_positions=None, pick=None):
+  def __call__(self, x, positions, cache=None, slot=None, write_positions=None, pick=None,
+               layer=None):
     """`pick [B]`: only column `pick[b]` of row b goes on past the keys and values
-    (`Attention`'s pick): the output is `[B, 1, D]`."""
+    (`Attention`'s pick): the output is `[B, 1, D]`. `layer`: `Attention`'s."""
     attn = Attention(self.num_heads, self.head_dim, self.rope_theta, self.mode,
-                     self.slot_width, self.layer, name="attn")
+                     self.slot_width, name="attn")
     h, new_cache = attn(RMSNorm(name="attn_norm")(x), positions, cache, slot, write_positions,
-                        pick)
+                        pick, layer)
     x = (x if pick is None else pick_columns(x, pick)) + h
     x = x + GatedMLP(self.mlp_dim, name="mlp")(RMSNorm(name="mlp_norm")(x))
     return x, new_cache

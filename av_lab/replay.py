@@ -574,6 +574,8 @@ def main(argv=None) -> None:
                       help="default: every static arm, av, av-true, oracle")
   parser.add_argument("--length", type=int, default=64)
   parser.add_argument("--requests-per-slot", type=int, default=3)
+  parser.add_argument("--min-requests", type=int, default=96,
+                      help="requests replayed at least (B = 32 with 1 a slot and 32: one wave)")
   parser.add_argument("--json", default=None)
   parser.add_argument("--block-choice", action="store_true",
                       help="a parallel drafter may run a smaller block on a step")
@@ -587,7 +589,8 @@ def main(argv=None) -> None:
   rows = grid(drafters=args.drafters.split(","), workloads=args.workloads.split(","),
               devices=args.devices.split(","),
               concurrency=[int(c) for c in args.concurrency.split(",")], arms=arms,
-              requests_per_slot=args.requests_per_slot, length=args.length, seed=args.seed,
+              requests_per_slot=args.requests_per_slot, min_requests=args.min_requests,
+              length=args.length, seed=args.seed,
               block_choice=args.block_choice)
   print(f"{len(rows)} points in {time.perf_counter() - start:.0f} s")
   print(ablation_table(rows, [a for a in arms if a not in static_arms(8)]))

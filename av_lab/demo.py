@@ -34,8 +34,7 @@ rate a step (AV's objective, and the hindsight oracle's) is not the shortest wav
 replay ground at these settings (eagle, mixed, h200, B = 32, one wave, warm estimator; the
 command is in BENCHMARKS.md, section 4) AV reaches 0.89x fixed:2 and the per-step oracle
 0.95x; with three requests a slot arriving as slots free, AV reaches 0.98x the best static
-arm. `--requests-per-slot 2` runs the demo so (in ~1.5x the time): AV, still cold, 0.92x
-fixed:2 at B = 32 on the modelled clock (2026-12-07).
+arm. `--requests-per-slot 2` runs the demo with arrivals (in about 1.5x the time).
 """
 
 from __future__ import annotations

@@ -82,7 +82,7 @@ def test_a_run_split_into_quiet_and_drafting_programs_is_the_one_program_run(
     x, y = np.asarray(x), np.asarray(y)
     if np.issubdtype(x.dtype, np.floating):
       # The refit's sums run in two different programs, whose reductions XLA may fuse
-      # in another order: a few ulp apart (seen: 1), never more.
+      # in another order: a few ulp apart, never more.
       np.testing.assert_array_max_ulp(y, x, maxulp=4)
     else:
       np.testing.assert_array_equal(y, x)

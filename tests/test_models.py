@@ -440,3 +440,19 @@ def test_shipped_default_loads_and_reproduces_heldout_loss():
              if f.startswith(("default_", "tokenizer_default"))]
   total = sum(os.path.getsize(os.path.join(models.assets_dir(), f)) for f in shipped)
   assert total <= 64 * 10**6, total  # issue 11: the shipped files stay within 64 MB
+
+
+def test_stack_layers_reads_the_per_layer_layout():
+  """A format-1 tree (`layer_0` ... `layer_{L-1}`) stacks to `init_params`' layout, leaf
+  for leaf; a tree missing a layer is refused, naming what it expected."""
+  from av_jax.models import checkpoint, transformer
+  cfg = models.TransformerConfig(vocab_size=16, d_model=8, num_layers=3, num_heads=2,
+                                 head_dim=4, mlp_dim=16)
+  stacked = transformer.init_params(cfg, jax.random.key(0))
+  per_layer = {k: v for k, v in stacked.items() if k != "layers"}
+  for i in range(cfg.num_layers):
+    per_layer[f"layer_{i}"] = jax.tree.map(lambda x, i=i: x[i], stacked["layers"])
+  chex.assert_trees_all_equal(checkpoint.stack_layers(per_layer), stacked)
+  del per_layer["layer_1"]
+  with pytest.raises(ValueError, match="layer_0 ... layer_"):
+    checkpoint.stack_layers(per_layer)

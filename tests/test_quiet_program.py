@@ -64,8 +64,8 @@ def _records(result):
 def test_a_run_split_into_quiet_and_drafting_programs_is_the_one_program_run(
     kind, temperature, backlog, price):
   """Tokens, every step record and the running totals are bit-identical with and without
-  the quiet program; the estimator's and the decision's float state to 4 ulp. Prices 2-3: drafting pays
-  for some requests and steps, so both kinds of step occur (with a backlog of 6 (K + 2)
+  the quiet program; the estimator's and the decision's float state to 4 ulp. Prices 2-3:
+  drafting pays for some requests and steps, so both kinds of step occur (with a backlog of 6 (K + 2)
   an autoregressive drafter's full backlogs are absorbed on quiet steps); 0.5: drafting
   pays and most steps draft (the drain's steps are quiet)."""
   overrides = dict(temperature=temperature, drafter_backlog=backlog)

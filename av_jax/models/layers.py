@@ -204,8 +204,9 @@ def _attend_rows(q, p, cache_k, cache_v, written, k, v, valid, positions, scale)
 
 def _one_layer(x: jax.Array, layer: jax.Array | None, squeezed: bool) -> jax.Array:
   """Layer `layer` (an int or a scalar int array) of a stacked cache leaf
-  `[L, B, H, M, Dh]` as `[B, H, M, Dh]` (`x` itself when `layer` is None); `squeezed`: `x` is `[L, H, M, Dh]`, the stacked leaf of a
-  one-slot cache without its slot axis, which is put back. One-slot caches reach the
+  `[L, B, H, M, Dh]` as `[B, H, M, Dh]` (`x` itself when `layer` is None); `squeezed`:
+  `x` is `[L, H, M, Dh]`, the stacked leaf of a one-slot cache without its slot axis,
+  which is put back. One-slot caches reach the
   attention branches so: XLA gives a conditional's operand with a size-1 axis a layout of
   its own, and copied the whole stacked cache into every layer's branch."""
   if layer is None:

@@ -138,6 +138,11 @@ def test_lazy_catch_up_absorbs_only_when_the_slot_drafts_and_drafts_the_same(kin
                        _prefilled(drafter, params, seq, hidden, [committed, P + 1 + EMITTED]))
   np.testing.assert_allclose(got, want, atol=1e-4)
   np.testing.assert_allclose(got, _draft_logits(drafter, params, eager), atol=1e-4)
+  # Absorbed over the backlog's whole width (`settle_rows`' one compiled absorb): the same.
+  whole = jax.jit(functools.partial(drafters.settle, whole=True), static_argnums=0,
+                  static_argnames="width")(drafter, params.drafter, params.target, lazy,
+                                           width=K + 1)
+  np.testing.assert_allclose(_draft_logits(drafter, params, whole), want, atol=1e-4)
   # Negative control: narrowed without settling, the backlog is lost.
   if int(lazy.num_pending[0]) > K + 1:
     lost = _draft_logits(drafter, params, drafters.narrow(

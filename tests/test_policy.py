@@ -88,7 +88,8 @@ def test_plan_choice_matches_its_reference(seed, parallel):
                parallel=parallel)
   got = jax.jit(lambda s, a: P.choose(s, eligible=jnp.ones((B, K), bool),
                                       forced=jnp.zeros((B, K), bool), active=a, cost=cost,
-                                      shared_passes=parallel))(jnp.asarray(survival), jnp.asarray(active))
+                                      shared_passes=parallel))(jnp.asarray(survival),
+                                                               jnp.asarray(active))
   best, _ = _family_best(survival, active, cost, parallel=parallel)
   np.testing.assert_allclose(_rate(np.asarray(got.num), survival, active, cost,
                                    parallel=parallel), best, rtol=1e-5)

@@ -65,8 +65,8 @@ def test_a_run_split_into_quiet_and_drafting_programs_is_the_one_program_run(
     kind, temperature, backlog, price):
   """Tokens, every step record and the running totals are bit-identical with and without
   the quiet program; the estimator's and the decision's float state to 4 ulp. Prices 2-3:
-  drafting pays for some requests and steps, so both kinds of step occur (with a backlog of 6 (K + 2)
-  an autoregressive drafter's full backlogs are absorbed on quiet steps); 0.5: drafting
+  drafting pays for some requests and steps, so both kinds of step occur (with a backlog of
+  6 (K + 2) an autoregressive drafter's full backlogs are absorbed on quiet steps); 0.5: drafting
   pays and most steps draft (the drain's steps are quiet)."""
   overrides = dict(temperature=temperature, drafter_backlog=backlog)
   one, split = (_run(kind, q, price, **overrides) for q in (False, True))
@@ -212,3 +212,17 @@ def test_the_quiet_program_copies_no_cache(kind):
   if kind == "eagle":
     assert _loop_copies(engine, params, B, max_len, program=program,
                         field=lambda state: state.drafter.cache.k) == 0
+
+
+@pytest.mark.parametrize("quiet", [True, False])
+def test_a_mode_program_traces_its_step_once(quiet, monkeypatch):
+  """The loop body and its records' shapes come from one trace of the step (tracing is
+  most of an AV program's lowering time)."""
+  engine = _engine("eagle", True)
+  params = fx.pair("eagle")[2]
+  traces = []
+  step = core._gated_step
+  monkeypatch.setattr(core, "_gated_step", lambda *a, **k: traces.append(1) or step(*a, **k))
+  state = jax.eval_shape(lambda: G.compiled(engine)[2](params, fx.key(0), None))
+  jax.eval_shape(lambda p, s: core.run_mode(engine, p, s, 3, quiet=quiet), params, state)
+  assert len(traces) == 1

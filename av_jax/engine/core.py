@@ -135,7 +135,8 @@ def prefill(engine: Engine, params: Params, state: DecodeState, *, prompt: jax.A
       target, params.target, target.init_cache(1, cfg.max_len), tokens=prompt, valid=valid[0])
   key, k_first = jax.random.split(state.key)
   last_logits = logits[prompt_len - 1]
-  first = sample_tokens(k_first, last_logits, temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p)
+  first = sample_tokens(k_first, last_logits, temperature=cfg.sampling.temperature,
+                        top_p=cfg.sampling.top_p)
   dstate = engine.drafter.start(
       params.drafter, params.target, prompt=prompt[None], prompt_hidden=hidden[None],
       next_token=first[None], K=cfg.max_draft, max_len=cfg.max_len,
@@ -439,7 +440,10 @@ def run_mode(engine: Engine, params: Params, state: DecodeState, limit: jax.Arra
   """
   n = num_steps or engine.config.programs.steps_per_chunk
   one = quiet_step if quiet else drafting_step
-  shapes = jax.eval_shape(lambda s: one(engine, params, s)[1], state)
+  # The step is traced once: its records' shapes and the loop body come from one jitted
+  # function (a call with the argument types of an earlier call reuses that trace).
+  advance = jax.jit(lambda params, state, decision: one(engine, params, state, decision))
+  shapes = jax.eval_shape(advance, params, state, _prepared(engine, state))[1]
   records = jax.tree.map(lambda x: jnp.zeros((n,) + x.shape, x.dtype), shapes)
   limit = jnp.minimum(jnp.asarray(limit, jnp.int32), n)
   # The plan of the next step is made once: the loop's condition reads it, and the step
@@ -453,7 +457,7 @@ def run_mode(engine: Engine, params: Params, state: DecodeState, limit: jax.Arra
 
   def body(carry):
     i, state, decision, records = carry
-    state, info = one(engine, params, state, decision)
+    state, info = advance(params, state, decision)
     return (i + 1, state, _prepared(engine, state),
             jax.tree.map(lambda r, x: r.at[i].set(x), records, info))
 

@@ -21,7 +21,7 @@ if TYPE_CHECKING:  # annotations only: protocol imports this module
 
 
 def settle(drafter: Drafter, params, target_params, state: DrafterState, *,
-           width: int, window: bool = False):
+           width: int, window: bool = False, whole: bool = False):
   """`state` narrowed to `width` pending columns after absorbing any backlog: every slot
   with more than `width` entries pending absorbs all but the newest (`Drafter.absorb`, run
   only when some slot has a backlog), which becomes its pending block; other slots are
@@ -37,6 +37,8 @@ def settle(drafter: Drafter, params, target_params, state: DrafterState, *,
     width: the pending columns `draft` takes (K + 1).
     window: (a `KVCache` cache only) return `(state, CacheWindow)`: the state with its
       cache as it was and the entries the absorb wrote (`write_window` writes them).
+    whole: absorb on the state's own columns only (one compiled absorb, not one per
+      width): for rows of which some hold a full backlog, whose absorb is that width.
   """
   if window and not isinstance(state.cache, transformer.KVCache):
     raise ValueError(f"window: expected a KVCache drafter cache, got {type(state.cache)}")
@@ -56,7 +58,7 @@ def settle(drafter: Drafter, params, target_params, state: DrafterState, *,
   # doubled until the state's own (a slot re-checked after 12 gated-off steps absorbs 16
   # columns, not the whole backlog width); branch 0 absorbs nothing.
   widths, w = [], width
-  while w < state.tokens.shape[1]:
+  while w < state.tokens.shape[1] and not whole:
     widths.append(w)
     w *= 2
   widths.append(state.tokens.shape[1])
@@ -246,7 +248,10 @@ def _settle_rows(drafter: Drafter, params, target_params, state: DrafterState, *
   """`Drafter.settle_rows`: one absorb over the rows, no drafter pass."""
   sub = state if rows is None else take_slots(state, rows)
   idx = jnp.arange(state.tokens.shape[0], dtype=jnp.int32) if rows is None else rows
-  settled, window = settle(drafter, params, target_params, sub, width=K + 1, window=True)
+  # The engine settles rows of which some hold a full backlog (`Drafter.full_rows`), so
+  # only the whole width's absorb is ever taken.
+  settled, window = settle(drafter, params, target_params, sub, width=K + 1, window=True,
+                           whole=True)
   window = window._replace(slot=idx, start=jnp.where(keep, window.start,
                                                      transformer.cache_len(state.cache)))
   return _written(state, window, settled, rows, keep, keep & (sub.num_pending > K + 1))

@@ -186,7 +186,8 @@ class Drafter(NamedTuple):
   def settle_rows(self, params, target_params, state, *, rows: jax.Array | None,
                   keep: jax.Array, K: int):
     """`draft_rows`' update without drafting: rows `rows [E]` (None: every row) where
-    `keep [E]` absorb their backlog. Only where `full_rows` is not None."""
+    `keep [E]` absorb their backlog, over the backlog's whole width (the engine settles
+    rows of which some are full). Only where `full_rows` is not None."""
     return _settle_rows(self, params, target_params, state, rows=rows, keep=keep, K=K)
 
   def unchanged(self, state, *, K: int):

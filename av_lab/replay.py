@@ -31,7 +31,10 @@ arm replays the same requests:
   tables;
 * ablations of `av` (`av-prior`: no per-request memory; `av-noexplore`: no exploration;
   `av-planned`, `av-planned-depth-cap`: an autoregressive drafter stops at its planned
-  depth and verifies the plan's count, the choice not made again after each pass).
+  depth and verifies the plan's count, the choice not made again after each pass;
+  `av-offset:PRIOR/FORGET`: the plan's memory with per-request offsets,
+  `av_lab.ablations.lagged_with_offsets`); any adaptive arm with `-depth-cap` appended
+  runs on the capped engine.
 
 Example: `python -m av_lab.replay --drafters block --workloads mixed --concurrency 64
 --devices h200` prints every arm's modelled tokens/s and AV's ratio to the best static arm;
@@ -52,7 +55,7 @@ import numpy as np
 
 from av_jax import costs
 from av_jax import policy as P
-from av_lab import record
+from av_lab import ablations, record
 
 WORKLOADS = ("code", "prose", "math", "noisy")
 MIXED = "mixed"
@@ -60,7 +63,8 @@ KIND = {"block": "parallel", "block_head": "parallel", "eagle": "autoregressive"
         "draft_lm": "autoregressive"}
 SHAPES = {"block": "llama3-8b-dflash", "block_head": "llama3-8b-dflash",
           "eagle": "llama3-8b-eagle3", "draft_lm": "llama3-8b-mtp"}
-ADAPTIVE = ("av", "av-unlagged", "av-true", "av-prior", "av-noexplore", "av-seer", "av-nodecay", "av-planned")
+ADAPTIVE = ("av", "av-unlagged", "av-true", "av-prior", "av-noexplore", "av-seer", "av-nodecay",
+            "av-planned")
 
 
 class Pool(NamedTuple):
@@ -267,6 +271,11 @@ def _policy(arm: str, K: int, kind: str, refit_interval: int,
   if arm.startswith("av-explore:"):
     return P.make_policy(K, drafter_kind=kind, estimator=est,
                          explorer=P.explore_credit(float(arm.split(":")[1])))
+  if arm.startswith("av-offset:"):  # per-request offsets, e.g. av-offset:4/0.95
+    prior, forget = (float(x) for x in arm.split(":")[1].split("/"))
+    memory = ablations.lagged_with_offsets(
+        P.online_estimator(K, refit_interval=refit_interval), prior=prior, forget=forget)
+    return P.make_policy(K, drafter_kind=kind, estimator=est, memory=memory)
   if arm == "av-seer":  # this step's own features, read by the estimator that scores them
     return P.make_policy(K, drafter_kind=kind, estimator=est, memory=P.latest_features())
   if arm == "av-nodecay":
@@ -370,12 +379,12 @@ def replay_point(point: Point, *, arms: Sequence[str], pool: Pool, num_requests:
   requests = make_requests(pool, num=num_requests, length=length, seed=seed)
   out = {}
   for arm in arms:
-    if arm in ("av-depth-cap", "av-planned-depth-cap", "av-unlagged-depth-cap"):
+    if arm.endswith("-depth-cap"):
       out[arm] = _capped_av(point, pool=pool, requests=requests, length=length, seed=seed,
                             refit_interval=refit_interval, shared_passes=shared_passes,
                             arm=arm.removesuffix("-depth-cap"))
       continue
-    if arm in ADAPTIVE or arm.startswith(("av-explore:", "av-est:")):
+    if arm in ADAPTIVE or arm.startswith(("av-explore:", "av-est:", "av-offset:")):
       policy = _policy(arm, K, kind, refit_interval, shared_passes)
       cost, k = cost_fn(K), 0
       state = (_warm(policy, pool, cost, B=B, kind=kind, arm=arm, length=length, seed=seed,

@@ -158,14 +158,16 @@ def catch_up(drafter: Drafter, params, target_params, state: DrafterState, *,
                          lambda: drafter.absorb(params, target_params, state).cache,
                          lambda: state.cache)
   at = jnp.where(full, 0, state.num_pending)
-  rows = jnp.arange(B)
-  new = DrafterState(
+  # Rows outside `mask` write at column `width`, which is dropped: each step writes B
+  # entries of the pending block in place, never the whole block.
+  column, rows = jnp.where(mask, at, width), jnp.arange(B)
+  return DrafterState(
       cache=cache,
-      tokens=state.tokens.at[rows, at].set(token),
-      hidden=state.hidden.at[rows, at].set(hidden.astype(state.hidden.dtype)),
-      num_pending=at + 1,
-      position=jnp.where(full, state.position + state.num_pending, state.position))
-  return keep_inactive(new, state, mask)
+      tokens=state.tokens.at[rows, column].set(token, mode="drop"),
+      hidden=state.hidden.at[rows, column].set(hidden.astype(state.hidden.dtype),
+                                               mode="drop"),
+      num_pending=jnp.where(mask, at + 1, state.num_pending),
+      position=jnp.where(mask & full, state.position + state.num_pending, state.position))
 
 
 # ------------------------------------------------- rows of a DrafterState, in place

@@ -33,7 +33,8 @@ from av_jax.models import drafters as D  # noqa: E402
 
 def measure(*, drafter: str, slots: int, max_draft: int, max_len: int, rounds: int,
             repeats: int, config: str = "default") -> dict:
-  """{"plain": ms a target-only step, E: ms of the drafter's K passes at E rows}."""
+  """{"plain": ms a target-only step, E: ms of drafting K tokens for E rows (K passes of an
+  autoregressive drafter, one of a parallel one)}."""
   models = M.load_config(config)
   params = SP._params(models, drafter)  # pylint: disable=protected-access
   kind = M.make_drafter(drafter, models)
@@ -71,7 +72,7 @@ def main(argv=None) -> None:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--drafter", default="eagle", help="drafter kind")
   p.add_argument("--slots", type=int, default=64, help="B, every slot busy")
-  p.add_argument("--max-draft", type=int, default=8, help="K, passes drafted")
+  p.add_argument("--max-draft", type=int, default=8, help="K, tokens drafted a row")
   p.add_argument("--max-len", type=int, default=256, help="cache positions per slot")
   p.add_argument("--rounds", type=int, default=5, help="interleaved rounds")
   p.add_argument("--repeats", type=int, default=3, help="timed runs per entry and round")

@@ -226,3 +226,26 @@ def test_a_mode_program_traces_its_step_once(quiet, monkeypatch):
   state = jax.eval_shape(lambda: G.compiled(engine)[2](params, fx.key(0), None))
   jax.eval_shape(lambda p, s: core.run_mode(engine, p, s, 3, quiet=quiet), params, state)
   assert len(traces) == 1
+
+
+@pytest.mark.parametrize("compile_ahead", [True, False])
+def test_generate_compiles_the_drafting_program_before_its_first_chunk(compile_ahead,
+                                                                       monkeypatch):
+  """A server's first drafting step must not stall on a compile: `generate` compiles the
+  quiet and the drafting program before its first chunk, even in a run that never drafts
+  (drafting priced out). The negative control (`compile_ahead=False`: the compile step
+  removed) must leave the drafting program uncompiled, so the count read is the jit's
+  own. Each case builds an engine of its own length, so no other test compiled it."""
+  if not compile_ahead:
+    monkeypatch.setattr(G._ChunkRunner, "compile", lambda self, params, state: state)
+  cfg, drafter, params = fx.pair("block")
+  config = E.EngineConfig(num_slots=2, max_draft=3, max_len=41 + compile_ahead, mode="av",
+                          sampling=Sampling(temperature=0.0),
+                          programs=E.Programs(steps_per_chunk=4, quiet_program=True))
+  engine = E.make_engine(config, cfg, drafter)
+  result = E.generate(engine, params, [[1, 2, 3], [4, 5]], max_new_tokens=6, key=fx.key(0),
+                      cost=_cost(2, 3, 1e6), keep_infos=True)
+  assert not _records(result).drafting.any()
+  quiet, drafting = G.compiled_modes(engine)
+  assert quiet._cache_size() == 1  # pylint: disable=protected-access
+  assert drafting._cache_size() == int(compile_ahead)  # pylint: disable=protected-access

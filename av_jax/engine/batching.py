@@ -123,6 +123,14 @@ class _ChunkRunner:
         self.quiet = not self.quiet
     return state, pieces
 
+  def compile(self, params, state):
+    """Compiles both programs before serving, so the first step of either kind does not
+    stall on its compile: each runs with a limit of 0 steps, which returns the state
+    unchanged. Returns the state (the programs donate it)."""
+    for program in (self.quiet_prog, self.draft_prog):
+      state = program(params, state, np.int32(0))[0]
+    return state
+
   @staticmethod
   def records(pieces) -> core.StepInfo:
     """The chunk's step records (host NumPy), stacked over its steps."""
@@ -421,6 +429,8 @@ def _start(engine: core.Engine, params, key, cost, state, mesh, queue: _Queue,
   else:
     modes = compiled_modes(engine) if core.splits_quiet(engine) else None
   runner = None if modes is None else _ChunkRunner(engine, modes)
+  if runner is not None:
+    state = runner.compile(params, state)
   return params, state, (prefill, chunk, runner)
 
 

@@ -195,19 +195,20 @@ def retime_falls(timers, *, rounds: int = 2, min_rounds: int = 1) -> list[float]
 
 def whole_step_ms(engine: core.Engine, params: core.Params, state: core.DecodeState, *,
                   repeats: int = 5) -> dict:
-  """Per-step wall time of the engine's own decode chunk in fixed regimes (see below).
+  """Per-step wall time of the engine's own decode programs in fixed regimes (below).
 
   The programs timed above are only part of a step: sampling, rejection over `[B, K+1,
   V]`, packing, the drafter's commit and catch-up and the decision cost time too, and on
   a CPU or at small batch they can outweigh the target's forward. This runs the
-  engine's jitted chunk (`batching.compiled`, the very program decoding runs) with every
-  slot active, mid-cache, in three fixed regimes, the decision's state set before each
-  step (`decider.regime`): "skip", a step on which no slot drafts (a target-only step of
-  B requests; in the quiet program, `core.run_mode`, where the engine runs one); "one", slot 0 alone drafting all K and verifying them (the smallest draft
-  bucket: a plan that drafts a few slots); "full", every slot drafting all K and
-  verifying them (free verification in the plan). Returns `{"skip", "one", "full": ms
-  per step, "<regime>_rows": drafter rows run, "<regime>_verified": drafts verified per
-  step (not "skip")}`.
+  programs decoding runs (`batching.decode_programs`: for an engine that splits quiet
+  steps, `core.run_mode`'s quiet program for "skip" and its drafting program for the
+  others; else `run_chunk`) with every slot active, mid-cache, in three fixed regimes,
+  the decision's state set before each step (`decider.regime`): "skip", a step on which
+  no slot drafts (a target-only step of B requests); "one", slot 0 alone drafting all K
+  and verifying them (the smallest draft bucket: a plan that drafts a few slots); "full",
+  every slot drafting all K and verifying them (free verification in the plan). Timing
+  them compiles them. Returns `{"skip", "one", "full": ms per step, "<regime>_rows":
+  drafter rows run, "<regime>_verified": drafts verified per step (not "skip")}`.
   """
   cfg = engine.config
   B, K, M, S = cfg.num_slots, cfg.max_draft, cfg.max_len, cfg.programs.steps_per_chunk
@@ -218,12 +219,12 @@ def whole_step_ms(engine: core.Engine, params: core.Params, state: core.DecodeSt
   default = state.cost
   regimes = {name: engine.decider.regime(planner, name) for name in ("skip", "one", "full")}
   tables = {"skip": default}
-  chunk = batching.compiled(engine)[1]
-  if core.splits_quiet(engine):  # a gated-off step runs in the quiet program (`run_mode`)
-    quiet_program = batching.compiled_modes(engine)[0]
+  if core.splits_quiet(engine):  # each regime runs in the program decoding runs it in
+    quiet_program, drafting_program = batching.compiled_modes(engine)
     quiet = lambda params, s: quiet_program(params, s, np.int32(S))[:2]
+    chunk = lambda params, s: drafting_program(params, s, np.int32(S))[:2]
   else:
-    quiet = chunk
+    quiet = chunk = batching.compiled(engine)[1]
   out = {}
   s = jax.tree.map(lambda x: x.copy(), state)  # the chunk donates its state
   for name, fixed in regimes.items():
@@ -239,6 +240,8 @@ def whole_step_ms(engine: core.Engine, params: core.Params, state: core.DecodeSt
       s, info = jax.block_until_ready((quiet if name == "skip" else chunk)(params, s))
       if i >= 2:
         times.append((time.perf_counter() - start) * 1e3 / S)
+    if name != "skip" and not np.all(np.asarray(info.drafting)):
+      raise RuntimeError(f"whole_step_ms: regime {name!r} ran steps that did not draft")
     out[name] = float(np.median(times))
     if name == "skip":
       out["skip_rows"] = int(np.max(info.draft_rows))

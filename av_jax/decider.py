@@ -81,7 +81,10 @@ def step_cost(cost: CostModel, K: int, *, parallel: bool) -> P.StepCost:
              else jnp.minimum(jnp.asarray(cost.draft_fixed_ms, jnp.float32), full))
     each = (full - fixed) / K
     depth = jnp.broadcast_to(each[:, None], (full.shape[0], K)).at[:, 0].add(fixed)
-  return P.StepCost(depth, jnp.asarray(cost.verify_ms, jnp.float32))
+  floor = getattr(cost, "drafting_floor_ms", None)
+  return P.StepCost(depth, jnp.asarray(cost.verify_ms, jnp.float32),
+                    jnp.zeros((), jnp.float32) if floor is None
+                    else jnp.asarray(floor, jnp.float32))
 
 
 @dataclasses.dataclass(frozen=True)

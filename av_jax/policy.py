@@ -79,12 +79,17 @@ class StepCost(NamedTuple):
   # costs the first d columns either way.
   draft_depth_ms: jax.Array
   verify_ms: jax.Array  # [T_max + 1] float32, one target pass over T tokens
+  # [] the least a step that drafts pays to verify (`CostModel.drafting_floor_ms`): a
+  # candidate that drafts is priced `max(verify_ms[T], floor)`; one that does not, `verify_ms[T]`.
+  drafting_floor_ms: jax.typing.ArrayLike = 0.0
 
   @classmethod
   def from_tables(cls, tables) -> "StepCost":
     """From `av_jax.costs.CostTables` (modelled or measured)."""
+    floor = tables.cost.drafting_floor_ms
     return cls(jnp.asarray(tables.draft_depth_ms, jnp.float32),
-               jnp.asarray(tables.cost.verify_ms, jnp.float32))
+               jnp.asarray(tables.cost.verify_ms, jnp.float32),
+               0.0 if floor is None else jnp.asarray(floor, jnp.float32))
 
   @staticmethod
   def parallel_depths(pass_ms) -> np.ndarray:
@@ -103,6 +108,10 @@ class StepCost(NamedTuple):
 
   def verify(self, tokens: jax.Array) -> jax.Array:
     return self.verify_ms[jnp.minimum(tokens, self.verify_ms.shape[0] - 1)]
+
+  def drafting_verify(self, tokens: jax.Array) -> jax.Array:
+    """Verification of `tokens` in a step that drafts: at least the drafting floor."""
+    return jnp.maximum(self.verify(tokens), self.drafting_floor_ms)
 
 
 def survival_of(probs: jax.Array) -> jax.Array:
@@ -166,7 +175,10 @@ def choose(survival: jax.Array, *, eligible: jax.Array, forced: jax.Array,
   gain = prefix(jnp.where(in_cap, ranked_s[None, :], 0.0))                  # [C, M + 1]
   n = prefix(in_cap.astype(jnp.int32))                                      # [C, M + 1]
   num_active = jnp.sum(active, dtype=jnp.int32) + jnp.asarray(others, jnp.int32)
-  total = jnp.asarray(sunk_ms, jnp.float32) + cost.verify(num_active + n)
+  # A candidate that drafts (n > 0, or any after drafting) runs the drafting step.
+  drafts = (n > 0) if price_drafting else jnp.ones_like(n, bool)
+  total = jnp.asarray(sunk_ms, jnp.float32) + jnp.where(
+      drafts, cost.drafting_verify(num_active + n), cost.verify(num_active + n))
   if price_drafting:
     total = total + _drafting_ms(cost, ranked_k, ranked_ok, caps, shared_passes)
   expected = num_active + gain
@@ -276,7 +288,9 @@ def _stacked_caps(costs: Sequence[StepCost], B: int) -> StepCost:
     depth.append(d)
     verify.append(np.pad(np.asarray(c.verify_ms, np.float32), (0, T - np.shape(c.verify_ms)[0]),
                          mode="edge"))
-  return StepCost(jnp.asarray(np.stack(depth)), jnp.asarray(np.stack(verify)))
+  floors = [np.float32(c.drafting_floor_ms) for c in costs]
+  return StepCost(jnp.asarray(np.stack(depth)), jnp.asarray(np.stack(verify)),
+                  jnp.asarray(floors, jnp.float32))
 
 
 @functools.partial(jax.jit, static_argnums=2)
@@ -432,7 +446,8 @@ class Policy:
   def _explore_ms(self, active, cost: StepCost) -> jax.Array:
     K = self.num_positions
     R = jnp.sum(active, dtype=jnp.int32)
-    return (cost.draft(jnp.ones((K,), jnp.int32)) + cost.verify(R + K) - cost.verify(R))
+    return (cost.draft(jnp.ones((K,), jnp.int32)) + cost.drafting_verify(R + K)
+            - cost.verify(R))
 
   def _explorer(self, state: PolicyState, active, cost: StepCost) -> jax.Array:
     """`[B]` bool: the request that explores this step (none, or one)."""

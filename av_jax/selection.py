@@ -31,6 +31,12 @@ class CostModel(NamedTuple):
   # drafting step gathers and scatters its rows): drafting c of K passes costs
   # `fixed + (c / K) (draft - fixed)` (`draft_share_cost`). Unused by parallel drafters.
   draft_fixed_ms: jax.Array | None = None
+  # [] float32 or None (zero), the least a step that drafts pays to verify, whatever it
+  # verifies: an engine of static shapes runs its drafting step's verification (the
+  # target's distributions at every slot's K + 1 positions, rejection) over all B slots,
+  # so a drafting step at the tail of a batch costs what one at full batch does. A
+  # step that drafts nothing runs the target-only step, priced by `verify_ms` alone.
+  drafting_floor_ms: jax.Array | None = None
 
   def draft_cost(self, num_requests: jax.typing.ArrayLike) -> jax.Array:
     """Drafting cost with `num_requests` active requests (any shape); beyond the table,
@@ -57,7 +63,7 @@ class CostModel(NamedTuple):
 
 
 def make_cost_model(draft_ms, verify_ms, *, min_cost: float = 1e-6,
-                    draft_fixed_ms=None) -> CostModel:
+                    draft_fixed_ms=None, drafting_floor_ms: float = 0.0) -> CostModel:
   """Validates measured cost tables and makes them monotone (host-side, once).
 
   Repairs are made with a `UserWarning` saying what was changed, so a broken profile is
@@ -81,6 +87,8 @@ def make_cost_model(draft_ms, verify_ms, *, min_cost: float = 1e-6,
       autoregressive drafter pays whatever depth it drafts to (`CostModel.draft_share_cost`);
       default zeros (c of K passes cost c / K of the entry). Entries above their
       `draft_ms` entry are clipped to it (with a `UserWarning`).
+    drafting_floor_ms: the least a drafting step's verification costs
+      (`CostModel.drafting_floor_ms`), >= 0.
 
   Returns:
     A `CostModel` whose tables are running maxima (cost never falls as work grows) and
@@ -97,9 +105,13 @@ def make_cost_model(draft_ms, verify_ms, *, min_cost: float = 1e-6,
   verify = _repaired_table("verify_ms", verify_ms, min_cost)
   # The fixed part is compared host-side with the float32 table the model holds.
   fixed = _draft_fixed_part(draft_fixed_ms, draft.astype(np.float32).astype(np.float64))
+  floor = float(drafting_floor_ms)
+  if not (np.isfinite(floor) and floor >= 0.0):
+    raise ValueError(f"drafting_floor_ms: expected a finite number >= 0, got {drafting_floor_ms!r}")
   return CostModel(draft_ms=jnp.asarray(draft, jnp.float32),
                    verify_ms=jnp.asarray(verify, jnp.float32),
-                   draft_fixed_ms=jnp.asarray(fixed, jnp.float32))
+                   draft_fixed_ms=jnp.asarray(fixed, jnp.float32),
+                   drafting_floor_ms=jnp.asarray(floor, jnp.float32))
 
 
 def _repaired_table(name: str, table, min_cost: float) -> np.ndarray:

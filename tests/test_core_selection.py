@@ -138,6 +138,10 @@ def test_selection_small_shapes_and_bad_input():
     av_jax.make_cost_model([1.0], [1.0, np.nan])
   with pytest.raises(ValueError, match="draft_ms"):
     av_jax.make_cost_model([], [1.0])
+  with pytest.raises(ValueError, match="drafting_floor_ms: expected a finite number >= 0"):
+    av_jax.make_cost_model([1.0], [1.0, 2.0], drafting_floor_ms=-1.0)
+  assert float(av_jax.make_cost_model([1.0], [1.0, 2.0],
+                                      drafting_floor_ms=1.5).drafting_floor_ms) == 1.5
 
 
 def test_make_cost_model_repairs_non_monotone_and_zero():

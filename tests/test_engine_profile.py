@@ -100,6 +100,8 @@ def test_whole_step_anchors_from_a_recorded_profile():
                                        num_slots=2, max_tokens=6)
   assert float(plain.verify_cost(2)) == pytest.approx(2.0)
   assert float(cost.verify_cost(2)) == pytest.approx(1.5)
+  # A drafting step verifies at least what one draft at full batch costs (T = B + 1 = 3).
+  assert float(cost.drafting_floor_ms) == pytest.approx(2.5)
   # Regimes out of order under load: kept monotone (running maximum).
   noisy = dict(profile, step_ms=dict(skip=1.5, one=1.0, full=4.0))
   v = np.asarray(prof.verify_table(noisy, num_slots=2, max_tokens=6))

@@ -219,6 +219,28 @@ def test_nothing_pays_drafts_nothing_and_forced_positions_are_kept():
   np.testing.assert_array_equal(got.num, [0, K, 0])
 
 
+def test_a_drafting_step_pays_the_drafting_floor_and_a_quiet_one_does_not():
+  """At the tail of a batch (one of B = 4 active) a drafting step runs the verification of
+  all B slots: priced at the floor, drafting no longer pays where the token table alone
+  said it did. The floor never prices a candidate that drafts nothing, and after drafting
+  every candidate pays it. Negative control: floor 0 is the table's price."""
+  B, K = 4, 2
+  cost = _cost(B, K, verify_fixed=1.0, per_token=0.05, pass_ms=0.05)
+  survival = jnp.asarray(np.tile([[0.8, 0.6]], (B, 1)), jnp.float32)
+  active = jnp.asarray([True, False, False, False])
+  kw = dict(eligible=jnp.ones((B, K), bool), forced=jnp.zeros((B, K), bool), active=active)
+  got = P.choose(survival, cost=cost, **kw)
+  assert int(got.budget) == K  # floor 0: (1 + 1.28) / (1.15 + 0.12) beats 1 / 1.05
+  floored = cost._replace(drafting_floor_ms=jnp.float32(3.0))  # 2.28 / 3.12: it does not
+  got = P.choose(survival, cost=floored, **kw)
+  assert int(got.budget) == 0 and float(got.cost_ms) == pytest.approx(1.05)
+  # After drafting (the drafting sunk) every candidate pays the floor: n = 0 costs it too.
+  after = P.choose(survival, cost=floored, sunk_ms=0.1, price_drafting=False,
+                   eligible=jnp.ones((B, K), bool), forced=jnp.zeros((B, K), bool),
+                   active=active)
+  assert int(after.budget) == K and float(after.cost_ms) == pytest.approx(3.1)
+
+
 def _outcome(B, K, *, features=None, drafted=None, step_ms=1.0, explore_ms=0.0):
   z = jnp.zeros((B, K), bool)
   return P.StepOutcome(

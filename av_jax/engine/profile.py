@@ -418,10 +418,13 @@ def cost_model_from_profile(profile: dict, *, num_slots: int, max_tokens: int) -
                      "(re-measure with refresh=True)")
   draft, fixed = draft_tables(profile, num_slots=num_slots, max_tokens=max_tokens)
   # What whole steps cost (section 8.2): the verify entries are mapped onto the measured
-  # regimes; a step's drafting is priced by the drafter's programs.
-  return make_cost_model(draft, verify_table(profile, num_slots=num_slots,
-                                             max_tokens=max_tokens),
-                         draft_fixed_ms=fixed)
+  # regimes; a step's drafting is priced by the drafter's programs. A drafting step runs
+  # the same verification whatever its active slots, so it pays at least what verifying
+  # one draft at full batch costs (B = 64: a step verifying one draft costs what the
+  # one-slot regime measured, not the target-only step's 64-token price).
+  verify = verify_table(profile, num_slots=num_slots, max_tokens=max_tokens)
+  return make_cost_model(draft, verify, draft_fixed_ms=fixed,
+                         drafting_floor_ms=float(verify[min(num_slots + 1, max_tokens)]))
 
 
 # Bumped whenever what `measure` times changes, so older cached profiles are not reused.
